@@ -1,0 +1,97 @@
+"""`create_app(settings)`: the routes, the error handlers and the lifespan of one router."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from router.config import Settings
+from router.errors import MethodNotAllowed, NotFound, RouterError
+from router.health import HealthChecker
+from router.metrics import Metrics
+from router.models import ModelCatalog
+from router.pools import Clients, Pools
+from router.proxy import Proxy
+
+
+def create_app(settings: Settings, *, registry: CollectorRegistry | None = None) -> Starlette:
+    pools = Pools(settings)
+    metrics = Metrics(registry if registry is not None else CollectorRegistry(), pools)
+    # One connection pool for every backend, sized to what the backends may take at once.
+    capacity = sum(backend.max_concurrency for backend in pools.backends())
+    http = httpx.AsyncClient(
+        timeout=httpx.Timeout(
+            connect=settings.timeouts.connect,
+            read=settings.timeouts.read,
+            write=settings.timeouts.write,
+            pool=settings.timeouts.connect,
+        ),
+        limits=httpx.Limits(max_connections=capacity + 16, max_keepalive_connections=capacity),
+    )
+    proxy = Proxy(settings, pools=pools, clients=Clients(), metrics=metrics, http=http)
+    catalog = ModelCatalog(pools, http, ttl=settings.models_cache_seconds, timeout=settings.health.timeout)
+    health = HealthChecker(pools, http, settings.health)
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        backends = {b.name: b.healthy for b in pools.backends()}
+        ready = any(backends.values())
+        return JSONResponse({"ready": ready, "backends": backends}, status_code=200 if ready else 503)
+
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": await catalog.models()})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await health.check_all()
+        checks = asyncio.create_task(health.run())
+        try:
+            yield
+        finally:
+            checks.cancel()
+            await http.aclose()
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 405:
+            return MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}").response(
+                dict(exc.headers or {})
+            )
+        if exc.status_code == 404:
+            return NotFound(f"no route for {request.method} {request.url.path}").response()
+        error = RouterError(str(exc.detail))
+        error.status_code = exc.status_code
+        return error.response()
+
+    async def router_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RouterError)
+        return exc.response()
+
+    app = Starlette(
+        routes=[
+            Route("/healthz", healthz),
+            Route("/readyz", readyz),
+            Route("/metrics", prometheus),
+            Route("/v1/models", models),
+            Route("/v1/{path:path}", proxy, methods=["POST"]),
+        ],
+        exception_handlers={HTTPException: http_error, RouterError: router_error},
+        lifespan=lifespan,
+    )
+    app.state.pools = pools
+    app.state.metrics = metrics
+    return app

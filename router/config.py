@@ -1,0 +1,208 @@
+"""Settings: one YAML file, overridden by `SPECROUTE_*` environment variables.
+
+Pools and backends are maps keyed by name, so names are unique by construction and an
+environment variable can reach any of them, e.g. `SPECROUTE_POOLS__FAST__SPECULATIVE=false`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+JobClass = Literal["interactive", "batch"]
+
+CONFIG_ENV = "SPECROUTE_CONFIG"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listen(_Model):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+
+
+class Backend(_Model):
+    url: str
+    # Name of the environment variable holding the upstream's API key, never the key itself.
+    api_key_env: str | None = None
+    max_concurrency: int = Field(default=64, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        # The engine's root: request paths such as /v1/chat/completions are appended to it.
+        return value.rstrip("/").removesuffix("/v1")
+
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+class Pool(_Model):
+    speculative: bool
+    backends: dict[str, Backend] = Field(min_length=1)
+    # Router-side queue used when every backend of the pool is at max_concurrency.
+    queue_size: int = Field(default=256, ge=0)
+    queue_timeout: float = Field(default=30.0, gt=0)
+
+
+class Headers(_Model):
+    pool: str = "X-Route-Pool"
+    job: str = "X-Job-Type"
+
+
+class Match(_Model):
+    """All given fields must match; strings are shell-style globs (`*`, `?`)."""
+
+    api_key: SecretStr | None = None
+    headers: dict[str, str] = {}
+    user_agent: str | None = None
+    model: str | None = None
+    user: str | None = None
+    metadata: dict[str, str] = {}
+
+
+class Rule(_Model):
+    name: str
+    job: JobClass
+    match: Match
+    # Forward the request with this model name (a model alias such as `glm-batch`).
+    rewrite_model: str | None = None
+
+
+class Classify(_Model):
+    rules: list[Rule] = []
+    # A client with more than this many requests in flight is treated as a batch job.
+    batch_inflight_threshold: int = Field(default=4, ge=1)
+
+
+class Routing(_Model):
+    # Where each job class goes; by default the first speculative and the first standard pool.
+    interactive_pool: str | None = None
+    batch_pool: str | None = None
+
+
+class Timeouts(_Model):
+    connect: float = Field(default=5.0, gt=0)
+    # Longest silence from the upstream: before the response starts and between chunks.
+    read: float = Field(default=600.0, gt=0)
+    write: float = Field(default=30.0, gt=0)
+    # Longest time a client may take to send its request body.
+    client_body: float = Field(default=30.0, gt=0)
+
+
+class Health(_Model):
+    interval: float = Field(default=5.0, gt=0)
+    timeout: float = Field(default=2.0, gt=0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECROUTE_", env_nested_delimiter="__", extra="forbid", frozen=True)
+
+    listen: Listen = Listen()
+    pools: dict[str, Pool] = Field(min_length=1)
+    headers: Headers = Headers()
+    classify: Classify = Classify()
+    routing: Routing = Routing()
+    timeouts: Timeouts = Timeouts()
+    health: Health = Health()
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
+    models_cache_seconds: float = Field(default=5.0, ge=0)
+    # Pass the client's Authorization header upstream when the backend has no key of its own.
+    forward_client_authorization: bool = False
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file arrives as init kwargs; the environment overrides it.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _routing_names_exist(self) -> Settings:
+        for field in ("interactive_pool", "batch_pool"):
+            name = getattr(self.routing, field)
+            if name is not None and name not in self.pools:
+                raise ValueError(f"routing.{field}: no pool named {name!r}")
+        backends = [b for pool in self.pools.values() for b in pool.backends]
+        if len(backends) != len(set(backends)):
+            raise ValueError("backend names must be unique across pools")
+        return self
+
+    def pool_for(self, job: JobClass) -> str:
+        """The pool a job class goes to when nothing else decides."""
+        configured = self.routing.interactive_pool if job == "interactive" else self.routing.batch_pool
+        if configured is not None:
+            return configured
+        want_speculative = job == "interactive"
+        for name, pool in self.pools.items():
+            if pool.speculative == want_speculative:
+                return name
+        return next(iter(self.pools))
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used; the message names the field and why."""
+
+
+def load_settings(path: str | Path | None = None) -> Settings:
+    """Read `path` (or `$SPECROUTE_CONFIG`), apply environment overrides, validate."""
+    path = path or os.environ.get(CONFIG_ENV)
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"{path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        data = loaded
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(describe_errors(exc)) from exc
+
+
+def describe_errors(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        lines.append(f"{field}: {error['msg']}")
+    return "\n".join(lines)
+
+
+def masked(settings: Settings) -> dict[str, Any]:
+    """The resolved settings as plain data, secrets shown as `***`."""
+    data: dict[str, Any] = settings.model_dump(mode="json")
+    for pool in data["pools"].values():
+        for backend in pool["backends"].values():
+            env = backend["api_key_env"]
+            if env:
+                backend["api_key_env"] = f"{env} ({'set' if os.environ.get(env) else 'NOT SET'})"
+    for rule in data["classify"]["rules"]:
+        if rule["match"]["api_key"] is not None:
+            rule["match"]["api_key"] = "***"
+    return data

@@ -1,0 +1,100 @@
+"""The errors the router itself raises, rendered once in OpenAI's error shape.
+
+    RouterError
+    ├── BadRequest            400  malformed JSON, bad override header
+    ├── NotFound              404
+    ├── MethodNotAllowed      405
+    ├── RequestTimeout        408  the body did not arrive in time
+    ├── PayloadTooLarge       413
+    ├── NoBackendAvailable    503  (+ Retry-After) queue full, queue wait over, pool down
+    └── UpstreamError         502  upstream unreachable or broken
+        └── UpstreamTimeout   504
+
+Errors that an upstream answers itself (its 4xx and 5xx) are passed through unchanged and
+never become a RouterError.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.responses import Response
+
+
+class RouterError(Exception):
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def response(self, extra_headers: dict[str, str] | None = None) -> Response:
+        return Response(
+            json.dumps(self.body()),
+            status_code=self.status_code,
+            media_type="application/json",
+            headers={**self.headers(), **(extra_headers or {})},
+        )
+
+
+class BadRequest(RouterError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class NotFound(RouterError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+class MethodNotAllowed(RouterError):
+    status_code = 405
+    error_type = "invalid_request_error"
+
+
+class RequestTimeout(RouterError):
+    status_code = 408
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLarge(RouterError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class NoBackendAvailable(RouterError):
+    status_code = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 1, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
+class UpstreamError(RouterError):
+    status_code = 502
+    error_type = "upstream_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    status_code = 504
+    error_type = "upstream_timeout"

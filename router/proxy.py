@@ -1,0 +1,393 @@
+"""The forwarding path, top to bottom.
+
+read body -> classify -> choose pool -> admit (maybe queue) -> send upstream ->
+stream back while measuring -> release -> access log.
+
+It is a plain ASGI app rather than a Starlette endpoint so that the bytes of a stream go from
+the upstream socket to the client socket with nothing in between but one `StreamWatch.feed`,
+and so that a client's disconnect cancels the upstream request at once, wherever it is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+from starlette.types import Receive, Scope, Send
+
+from router import sse
+from router.classify import Classifier, RequestFacts, client_id
+from router.config import Settings
+from router.errors import (
+    BadRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    RouterError,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from router.headers import request_headers, response_headers
+from router.metrics import Metrics
+from router.policy import Decision, StaticPolicy
+from router.pools import Backend, Clients, Pools
+
+access_log = logging.getLogger("specroute.access")
+T = TypeVar("T")
+
+# Paths whose streams accept `stream_options.include_usage`.
+_USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+class ClientGone(Exception):
+    """The client closed its connection."""
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to one request, for its metrics and its access-log line."""
+
+    request_id: str
+    path: str
+    started: float = field(default_factory=time.perf_counter)
+    decision: Decision | None = None
+    backend: Backend | None = None
+    status: int = 0
+    ttft: float | None = None
+    tokens: int | None = None
+    prompt_tokens: int | None = None
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        pools: Pools,
+        clients: Clients,
+        metrics: Metrics,
+        http: httpx.AsyncClient,
+    ) -> None:
+        self._settings = settings
+        self._pools = pools
+        self._clients = clients
+        self._metrics = metrics
+        self._http = http
+        self._classifier = Classifier(
+            settings.classify,
+            pool_header=settings.headers.pool,
+            job_header=settings.headers.job,
+            pools=set(settings.pools),
+        )
+        self._policy = StaticPolicy(settings)
+        self._override_headers = frozenset({settings.headers.pool.lower(), settings.headers.job.lower()})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        outcome = Outcome(headers.get("x-request-id") or uuid.uuid4().hex, scope["path"])
+        client = None
+        try:
+            body = await self._read_body(headers, receive)
+            payload = _parse_json(body)
+            api_key = _bearer(headers.get("authorization"))
+            user = _field(payload, "user", str)
+            address = scope["client"][0] if scope.get("client") else None
+            client = client_id(api_key, user, address)
+            facts = RequestFacts(
+                headers=headers,
+                api_key=api_key,
+                model=_field(payload, "model", str),
+                user=user,
+                metadata=_field(payload, "metadata", dict) or {},
+                n=_field(payload, "n", int) or 1,
+                client_in_flight=self._clients[client],
+            )
+            classification = self._classifier.classify(facts)
+            outcome.decision = self._policy.decide(classification)
+            self._metrics.decisions.labels(outcome.decision.job, outcome.decision.pool, outcome.decision.reason).inc()
+            if classification.rewrite_model is not None:
+                payload["model"] = classification.rewrite_model
+                body = b""  # re-encode below
+            self._clients.start(client)
+            await self._serve_until_disconnect(scope, receive, send, headers, body, payload, outcome)
+        except ClientGone:
+            outcome.status = 499
+        except RouterError as exc:
+            outcome.status = exc.status_code
+            await _send_response(send, exc.response(self._route_headers(outcome)))
+        finally:
+            if client is not None and outcome.decision is not None:
+                self._clients.finish(client)
+            self._finish(outcome)
+
+    async def _read_body(self, headers: dict[str, str], receive: Receive) -> bytes:
+        limit = self._settings.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"request body is over the {limit} byte limit", code="body_too_large")
+        chunks = []
+        size = 0
+        more_body = True
+        try:
+            with anyio.fail_after(self._settings.timeouts.client_body):
+                while more_body:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientGone
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        raise PayloadTooLarge(f"request body is over the {limit} byte limit", code="body_too_large")
+                    chunks.append(chunk)
+                    more_body = message.get("more_body", False)
+        except TimeoutError as exc:
+            raise RequestTimeout(
+                f"request body not received within {self._settings.timeouts.client_body:g} s", code="body_timeout"
+            ) from exc
+        return b"".join(chunks)
+
+    async def _serve_until_disconnect(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        headers: dict[str, str],
+        body: bytes,
+        payload: dict[str, Any],
+        outcome: Outcome,
+    ) -> None:
+        """Serve the request, cancelling everything (queue wait, upstream) if the client leaves."""
+        gone = served = False
+        error: RouterError | None = None
+
+        async def watch(cancel: anyio.CancelScope) -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            cancel.cancel()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(watch, group.cancel_scope)
+            try:
+                await self._serve(scope, send, headers, body, payload, outcome)
+                served = True
+            except RouterError as exc:
+                error = exc  # raised outside the group, which would wrap it in an ExceptionGroup
+            group.cancel_scope.cancel()
+        if gone and not served:  # a client that hangs up after the last byte was served
+            raise ClientGone
+        if error is not None:
+            raise error
+
+    async def _serve(
+        self,
+        scope: Scope,
+        send: Send,
+        headers: dict[str, str],
+        body: bytes,
+        payload: dict[str, Any],
+        outcome: Outcome,
+    ) -> None:
+        assert outcome.decision is not None
+        pool = self._pools[outcome.decision.pool]
+        queued_at = time.perf_counter()
+        backend = await pool.acquire(outcome.decision.job)
+        self._metrics.queue_wait.labels(pool.name, outcome.decision.job).observe(time.perf_counter() - queued_at)
+        outcome.backend = backend
+        try:
+            await self._forward(scope, send, headers, body, payload, backend, outcome)
+        finally:
+            pool.release(backend, duration=time.perf_counter() - outcome.started)
+
+    async def _forward(
+        self,
+        scope: Scope,
+        send: Send,
+        headers: dict[str, str],
+        body: bytes,
+        payload: dict[str, Any],
+        backend: Backend,
+        outcome: Outcome,
+    ) -> None:
+        streaming = payload.get("stream") is True
+        drop_usage_chunk = False
+        if streaming and scope["path"] in _USAGE_PATHS:
+            options = payload.get("stream_options")
+            if not (isinstance(options, dict) and options.get("include_usage") is True):
+                # Ask for the token counts; the client did not, so the extra chunk is removed.
+                payload["stream_options"] = {**(options or {}), "include_usage": True}
+                drop_usage_chunk = True
+                body = b""
+        if not body:
+            body = json.dumps(payload, separators=(",", ":")).encode()
+
+        url = backend.url + scope["path"]
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        upstream_headers = request_headers(
+            headers,
+            drop=self._override_headers,
+            request_id=outcome.request_id,
+            api_key=backend.api_key,
+            forward_authorization=self._settings.forward_client_authorization,
+        )
+        request = self._http.build_request("POST", url, headers=upstream_headers, content=body)
+        try:
+            response = await self._http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._upstream_failure(backend, exc) from exc
+        try:
+            outcome.status = response.status_code
+            if response.status_code >= 500:
+                self._metrics.upstream_errors.labels(backend.pool, backend.name, "http_5xx").inc()
+            if streaming and response.headers.get("content-type", "").startswith("text/event-stream"):
+                await self._relay_stream(send, response, drop_usage_chunk, outcome)
+            else:
+                await self._relay_whole(send, response, outcome)
+        finally:
+            await response.aclose()
+
+    async def _relay_whole(self, send: Send, response: httpx.Response, outcome: Outcome) -> None:
+        try:
+            content = await response.aread()
+        except httpx.HTTPError as exc:
+            assert outcome.backend is not None
+            raise self._upstream_failure(outcome.backend, exc) from exc
+        if response.status_code < 400 and response.headers.get("content-type", "").startswith("application/json"):
+            try:
+                usage = json.loads(content).get("usage")
+            except (ValueError, AttributeError):
+                usage = None
+            outcome.tokens = sse.completion_tokens(usage)
+            outcome.prompt_tokens = sse.prompt_tokens(usage)
+        headers = response_headers(response.headers.raw, self._route_headers(outcome))
+        headers.append((b"content-length", str(len(content)).encode()))
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
+
+    async def _relay_stream(
+        self, send: Send, response: httpx.Response, drop_usage_chunk: bool, outcome: Outcome
+    ) -> None:
+        watch = sse.StreamWatch(drop_usage_chunk=drop_usage_chunk)
+        headers = response_headers(response.headers.raw, self._route_headers(outcome))
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        # From here on a byte has gone to the client: nothing may be retried, failures end the
+        # stream with an error event.
+        try:
+            async for chunk in response.aiter_raw():
+                out = watch.feed(chunk)
+                if watch.saw_content and outcome.ttft is None:
+                    outcome.ttft = time.perf_counter() - outcome.started
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            tail = watch.flush()
+        except httpx.HTTPError as exc:
+            assert outcome.backend is not None
+            error = self._upstream_failure(outcome.backend, exc)
+            outcome.status = error.status_code
+            tail = b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+        outcome.tokens = watch.completion_tokens
+        outcome.prompt_tokens = sse.prompt_tokens(watch.usage)
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def _upstream_failure(self, backend: Backend, exc: httpx.HTTPError) -> UpstreamError:
+        """The one place where httpx's exceptions become the router's."""
+        error: UpstreamError
+        if isinstance(exc, httpx.ConnectError):
+            kind = "connect"
+            error = UpstreamError(f"backend {backend.name!r} is unreachable", code="upstream_unreachable")
+            backend.healthy = False  # the health checker readmits it
+        elif isinstance(exc, httpx.TimeoutException):
+            kind = "timeout"
+            error = UpstreamTimeout(f"backend {backend.name!r} timed out", code="upstream_timeout")
+        else:
+            kind = "protocol"
+            error = UpstreamError(f"backend {backend.name!r} failed: {type(exc).__name__}", code="upstream_failed")
+        self._metrics.upstream_errors.labels(backend.pool, backend.name, kind).inc()
+        return error
+
+    def _route_headers(self, outcome: Outcome) -> dict[str, str]:
+        headers = {"x-request-id": outcome.request_id}
+        if outcome.decision is not None:
+            headers["x-route-pool"] = outcome.decision.pool
+            headers["x-job-type"] = outcome.decision.job
+            headers["x-route-reason"] = outcome.decision.reason
+        if outcome.backend is not None:
+            headers["x-route-backend"] = outcome.backend.name
+        return headers
+
+    def _finish(self, outcome: Outcome) -> None:
+        decision, backend = outcome.decision, outcome.backend
+        pool = decision.pool if decision else ""
+        name = backend.name if backend else ""
+        self._metrics.requests.labels(pool, name, decision.job if decision else "", str(outcome.status)).inc()
+        if backend is not None:
+            if outcome.ttft is not None:
+                self._metrics.ttft.labels(pool, name).observe(outcome.ttft)
+                backend.recent_ttft.append(outcome.ttft)
+            if outcome.tokens:
+                self._metrics.completion_tokens.labels(pool, name).inc(outcome.tokens)
+                if outcome.ttft is not None and outcome.tokens > 1 and outcome.status < 400:
+                    elapsed = time.perf_counter() - outcome.started - outcome.ttft
+                    self._metrics.tpot.labels(pool, name).observe(elapsed / (outcome.tokens - 1))
+            if outcome.prompt_tokens:
+                self._metrics.prompt_tokens.labels(pool, name).inc(outcome.prompt_tokens)
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info(_access_line(outcome))
+
+
+def _access_line(outcome: Outcome) -> str:
+    decision = outcome.decision
+    fields = {
+        "id": outcome.request_id,
+        "path": outcome.path,
+        "pool": decision.pool if decision else "-",
+        "backend": outcome.backend.name if outcome.backend else "-",
+        "job": decision.job if decision else "-",
+        "reason": decision.reason if decision else "-",
+        "status": str(outcome.status),
+        "ttft_ms": f"{outcome.ttft * 1000:.0f}" if outcome.ttft is not None else "-",
+        "tokens": str(outcome.tokens) if outcome.tokens is not None else "-",
+        "duration_ms": f"{(time.perf_counter() - outcome.started) * 1000:.0f}",
+    }
+    return " ".join(f"{key}={_escape(value)}" for key, value in fields.items())
+
+
+def _escape(value: str) -> str:
+    """Keep one request on one log line: control characters, spaces and quotes escaped."""
+    if value.isprintable() and " " not in value and '"' not in value:
+        return value
+    return json.dumps(value)
+
+
+def _parse_json(body: bytes) -> dict[str, Any]:
+    try:
+        payload = json.loads(body)
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(payload, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    return payload
+
+
+def _field(payload: dict[str, Any], key: str, kind: type[T]) -> T | None:
+    value = payload.get(key)
+    # bool is an int to Python, but `"n": true` is not a count.
+    return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+
+def _bearer(authorization: str | None) -> str | None:
+    if authorization and authorization[:7].lower() == "bearer ":
+        return authorization[7:].strip() or None
+    return None
+
+
+async def _send_response(send: Send, response: Any) -> None:
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})

@@ -1,0 +1,125 @@
+"""Watching an upstream stream of server-sent events on its way to the client.
+
+The bytes are forwarded as they arrive, cut only at event boundaries, and are looked into
+only as far as needed: each event until the first one that carries generated content (that
+is the time to first token), then only events that mention `"usage"` (the token counts).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+_SEPARATORS = (b"\n\n", b"\r\n\r\n")
+
+
+class StreamWatch:
+    def __init__(self, *, drop_usage_chunk: bool) -> None:
+        # True when the router asked for usage on the client's behalf: the extra chunk is ours.
+        self._drop_usage_chunk = drop_usage_chunk
+        self._partial = b""
+        self.saw_content = False
+        self.usage: dict[str, Any] | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Take bytes from upstream; return the bytes to send on to the client now."""
+        if self.saw_content and not self._partial and b'"usage"' not in chunk and chunk.endswith(b"\n\n"):
+            return chunk  # the common case once streaming: whole events, nothing to look at
+        data = self._partial + chunk
+        end = _last_boundary(data)
+        if end < 0:
+            self._partial = data
+            return b""
+        self._partial = data[end:]
+        complete = data[:end]
+        if self.saw_content and b'"usage"' not in complete:
+            return complete
+        return b"".join(self._inspect(event) for event in _events(complete))
+
+    def flush(self) -> bytes:
+        """What remains when the upstream ends: an unterminated last event, passed on as is."""
+        rest, self._partial = self._partial, b""
+        return self._inspect(rest) if rest else b""
+
+    def _inspect(self, event: bytes) -> bytes:
+        if self.saw_content and b'"usage"' not in event:
+            return event
+        payload = _json_payload(event)
+        if payload is None:
+            return event
+        if not self.saw_content and _has_content(payload):
+            self.saw_content = True
+        usage = payload.get("usage") or _nested_usage(payload)
+        if isinstance(usage, dict):
+            self.usage = usage
+            if self._drop_usage_chunk and payload.get("choices") == []:
+                return b""
+        return event
+
+    @property
+    def completion_tokens(self) -> int | None:
+        return completion_tokens(self.usage)
+
+
+def completion_tokens(usage: dict[str, Any] | None) -> int | None:
+    if not usage:
+        return None
+    value = usage.get("completion_tokens", usage.get("output_tokens"))
+    return value if isinstance(value, int) else None
+
+
+def prompt_tokens(usage: dict[str, Any] | None) -> int | None:
+    if not usage:
+        return None
+    value = usage.get("prompt_tokens", usage.get("input_tokens"))
+    return value if isinstance(value, int) else None
+
+
+def _last_boundary(data: bytes) -> int:
+    return max((data.rfind(sep) + len(sep) if sep in data else -1) for sep in _SEPARATORS)
+
+
+def _events(data: bytes) -> list[bytes]:
+    """Split complete events, each keeping its own terminator so the bytes rejoin exactly."""
+    events = []
+    start = 0
+    while start < len(data):
+        ends = [i + len(sep) for sep in _SEPARATORS if (i := data.find(sep, start)) >= 0]
+        end = min(ends) if ends else len(data)
+        events.append(data[start:end])
+        start = end
+    return events
+
+
+def _json_payload(event: bytes) -> dict[str, Any] | None:
+    lines = [line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:")]
+    if not lines or lines == [b"[DONE]"]:
+        return None
+    try:
+        payload = json.loads(b"\n".join(lines))
+    except ValueError:
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def _has_content(payload: dict[str, Any]) -> bool:
+    choices = payload.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            if choice.get("text"):
+                return True
+            delta = choice.get("delta")
+            if isinstance(delta, dict) and (
+                delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+            ):
+                return True
+        return False
+    # The Responses API streams typed events: {"type": "response.output_text.delta", "delta": ...}
+    return isinstance(payload.get("delta"), str) and bool(payload["delta"])
+
+
+def _nested_usage(payload: dict[str, Any]) -> Any:
+    response = payload.get("response")
+    return response.get("usage") if isinstance(response, dict) else None

@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+
+from router.app import create_app
+from router.config import Settings
+from tests.fake_engine import FakeEngine
+from tests.servers import ServerThread
+
+
+class Cluster:
+    """Two fake engines (pool `fast`, speculative; pool `team`, standard) and a router."""
+
+    def __init__(
+        self, fast: FakeEngine, team: FakeEngine, router: ServerThread, app: Starlette, registry: CollectorRegistry
+    ) -> None:
+        self.fast = fast
+        self.app = app
+        self.team = team
+        self.router = router
+        self.registry = registry
+
+    @property
+    def base_url(self) -> str:
+        return self.router.url + "/v1"
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    def settled_metric(self, name: str, expected: float, **labels: str) -> float:
+        """The metric once it reads `expected`, or its value after 2 s.
+
+        The router records a request just after its last byte went out, in another thread,
+        so a test that has read the whole response may be a moment early.
+        """
+        deadline = time.monotonic() + 2
+        while (value := self.metric(name, **labels)) != expected and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return value
+
+
+def settings_for(fast_url: str, team_url: str, **overrides: Any) -> Settings:
+    data: dict[str, Any] = {
+        "pools": {
+            "fast": {"speculative": True, "backends": {"fast-1": {"url": fast_url, "max_concurrency": 8}}},
+            "team": {"speculative": False, "backends": {"team-1": {"url": team_url, "max_concurrency": 8}}},
+        }
+    }
+    return Settings(**_merge(data, overrides))
+
+
+def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+@contextmanager
+def running_cluster(**overrides: Any) -> Iterator[Cluster]:
+    with ExitStack() as stack:
+        fast, team = FakeEngine(), FakeEngine()
+        fast_server = stack.enter_context(ServerThread(fast.app()))
+        team_server = stack.enter_context(ServerThread(team.app()))
+        registry = CollectorRegistry()
+        settings = settings_for(fast_server.url, team_server.url, **overrides)
+        app = create_app(settings, registry=registry)
+        router = stack.enter_context(ServerThread(app, fast=True))
+        yield Cluster(fast, team, router, app, registry)
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    with running_cluster() as running:
+        yield running
+
+
+@pytest.fixture
+def make_cluster() -> Callable[..., AbstractContextManager[Cluster]]:
+    return running_cluster

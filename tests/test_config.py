@@ -1,0 +1,104 @@
+"""Settings from YAML and the environment, and `specroute check-config`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from router.cli import main
+from router.config import ConfigError, load_settings
+
+EXAMPLE = Path(__file__).parent.parent / "config" / "router.yaml"
+
+
+def test_example_file_loads() -> None:
+    settings = load_settings(EXAMPLE)
+    assert set(settings.pools) == {"fast", "team"}
+    assert settings.pools["fast"].speculative
+    assert not settings.pools["team"].speculative
+    assert settings.pool_for("interactive") == "fast"
+    assert settings.pool_for("batch") == "team"
+
+
+def test_environment_overrides_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECROUTE_LISTEN__PORT", "9123")
+    monkeypatch.setenv("SPECROUTE_POOLS__FAST__QUEUE_SIZE", "7")
+    settings = load_settings(EXAMPLE)
+    assert settings.listen.port == 9123
+    assert settings.pools["fast"].queue_size == 7
+    assert settings.pools["fast"].backends["fast-1"].url == "http://10.0.0.11:8000"
+
+
+def test_config_path_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECROUTE_CONFIG", str(EXAMPLE))
+    assert set(load_settings().pools) == {"fast", "team"}
+
+
+def test_pool_choice_defaults_without_routing_section(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        "pools:\n"
+        "  std: {speculative: false, backends: {s1: {url: 'http://127.0.0.1:1/v1/'}}}\n"
+        "  spec: {speculative: true, backends: {f1: {url: 'http://127.0.0.1:2'}}}\n"
+    )
+    settings = load_settings(path)
+    assert settings.pool_for("interactive") == "spec"
+    assert settings.pool_for("batch") == "std"
+    assert settings.pools["std"].backends["s1"].url == "http://127.0.0.1:1"
+
+
+def test_check_config_prints_resolved_settings_with_secrets_masked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("FAST_KEY", "sk-upstream-secret")
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        "pools:\n"
+        "  fast:\n"
+        "    speculative: true\n"
+        "    backends: {f1: {url: 'http://127.0.0.1:1', api_key_env: FAST_KEY}}\n"
+        "classify:\n"
+        "  rules: [{name: etl, job: batch, match: {api_key: sk-client-secret}}]\n"
+    )
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "sk-upstream-secret" not in out
+    assert "sk-client-secret" not in out
+    assert "FAST_KEY (set)" in out
+    assert '"max_body_bytes": 4194304' in out
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("pools: {}\n", "pools: "),
+        ("pools:\n  fast: {speculative: maybe, backends: {f: {url: 'http://x'}}}\n", "pools.fast.speculative: "),
+        ("pools:\n  fast: {speculative: true, backends: {f: {url: 'ftp://x'}}}\n", "pools.fast.backends.f.url: "),
+        (
+            "pools:\n  fast: {speculative: true, backends: {f: {url: 'http://x', max_concurrency: 0}}}\n",
+            "pools.fast.backends.f.max_concurrency: ",
+        ),
+        ("pools:\n  fast: {speculative: true, backends: {f: {url: 'http://x'}}}\nlisten: {prot: 1}\n", "listen.prot: "),
+        (
+            "pools:\n  fast: {speculative: true, backends: {f: {url: 'http://x'}}}\nrouting: {batch_pool: team}\n",
+            "no pool named 'team'",
+        ),
+        ("pools: [\n", "not valid YAML"),
+        ("- a\n- b\n", "the top level must be a mapping"),
+    ],
+)
+def test_bad_file_exits_non_zero_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, expected: str
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert main(["check-config", str(path)]) == 1
+    assert expected in capsys.readouterr().err
+    with pytest.raises(ConfigError):
+        load_settings(path)
+
+
+def test_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", "/nonexistent/router.yaml"]) == 1
+    assert "No such file" in capsys.readouterr().err

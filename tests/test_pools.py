@@ -1,0 +1,105 @@
+"""The pool queue on its own: priority, bounds, hand-over on cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.config import Backend as BackendConfig
+from router.errors import NoBackendAvailable
+from router.pools import Backend, Pool
+
+
+def _pool(*, slots: int = 1, queue_size: int = 8, queue_timeout: float = 5.0) -> Pool:
+    backend = Backend("b1", "p", BackendConfig(url="http://127.0.0.1:1", max_concurrency=slots))
+    return Pool("p", speculative=True, backends=[backend], queue_size=queue_size, queue_timeout=queue_timeout)
+
+
+@pytest.mark.anyio
+async def test_interactive_requests_are_admitted_before_queued_batch() -> None:
+    pool = _pool()
+    holder = await pool.acquire("batch")
+    order: list[str] = []
+
+    async def wait(name: str, job: str) -> None:
+        backend = await pool.acquire(job)  # type: ignore[arg-type]
+        order.append(name)
+        pool.release(backend)
+
+    tasks = [asyncio.create_task(wait("batch-1", "batch"))]
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(wait("inter-1", "interactive")))
+    await asyncio.sleep(0)
+    assert pool.queued("batch") == 1
+    assert pool.queued("interactive") == 1
+    pool.release(holder)
+    await asyncio.gather(*tasks)
+    assert order == ["inter-1", "batch-1"]
+    assert pool.in_flight == 0
+    assert pool.queued() == 0
+
+
+@pytest.mark.anyio
+async def test_least_loaded_backend_is_chosen() -> None:
+    a = Backend("a", "p", BackendConfig(url="http://127.0.0.1:1", max_concurrency=4))
+    b = Backend("b", "p", BackendConfig(url="http://127.0.0.1:2", max_concurrency=2))
+    pool = Pool("p", speculative=False, backends=[a, b], queue_size=0, queue_timeout=1)
+    chosen = [(await pool.acquire("batch")).name for _ in range(6)]
+    # a: 0/4 b: 0/2 -> a (1/4) -> b (1/2) -> a (2/4) -> a (3/4)... lowest ratio each time.
+    assert chosen == ["a", "b", "a", "a", "b", "a"]
+    with pytest.raises(NoBackendAvailable):
+        await pool.acquire("batch")
+
+
+@pytest.mark.anyio
+async def test_unhealthy_backends_are_skipped_and_a_dead_pool_fails_fast() -> None:
+    pool = _pool(slots=4)
+    pool.backends[0].healthy = False
+    with pytest.raises(NoBackendAvailable) as caught:
+        await pool.acquire("interactive")
+    assert caught.value.code == "pool_unavailable"
+    assert pool.queued() == 0
+
+
+@pytest.mark.anyio
+async def test_cancelled_waiter_leaves_the_queue_and_loses_no_slot() -> None:
+    pool = _pool()
+    holder = await pool.acquire("interactive")
+    waiter = asyncio.create_task(pool.acquire("interactive"))
+    await asyncio.sleep(0)
+    assert pool.queued() == 1
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert pool.queued() == 0
+    pool.release(holder)
+    assert pool.in_flight == 0
+    assert (await pool.acquire("interactive")) is holder
+
+
+@pytest.mark.anyio
+async def test_slot_handed_to_a_waiter_that_is_cancelled_is_passed_on() -> None:
+    pool = _pool()
+    holder = await pool.acquire("interactive")
+    first = asyncio.create_task(pool.acquire("interactive"))
+    second = asyncio.create_task(pool.acquire("interactive"))
+    await asyncio.sleep(0)
+    pool.release(holder)  # hands the slot to `first`...
+    first.cancel()  # ...which leaves before it runs again
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    backend = await asyncio.wait_for(second, 1)
+    assert backend is holder
+    assert pool.in_flight == 1
+    assert pool.queued() == 0
+
+
+@pytest.mark.anyio
+async def test_queue_wait_is_bounded() -> None:
+    pool = _pool(queue_timeout=0.05)
+    await pool.acquire("interactive")
+    with pytest.raises(NoBackendAvailable) as caught:
+        await pool.acquire("interactive")
+    assert caught.value.code == "queue_timeout"
+    assert pool.queued() == 0

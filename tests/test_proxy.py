@@ -1,0 +1,227 @@
+"""The router in front of two fake engines, driven by the official OpenAI client."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Cluster
+
+
+def _client(cluster: Cluster, **kwargs: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.base_url, api_key="client-key", max_retries=0, **kwargs)
+
+
+def test_chat_stream_passes_through_with_route_headers(cluster: Cluster) -> None:
+    raw = _client(cluster).chat.completions.with_raw_response.create(
+        model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+    )
+    chunks = list(raw.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "w0 w1 w2 w3 w4 "
+    # The usage chunk the router asked for on the client's behalf does not reach the client.
+    assert all(c.usage is None for c in chunks)
+    assert raw.headers["x-route-pool"] == "fast"
+    assert raw.headers["x-route-backend"] == "fast-1"
+    assert raw.headers["x-job-type"] == "interactive"
+    assert raw.headers["x-route-reason"] == "default"
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    forwarded = cluster.fast.requests[-1].body
+    assert forwarded["stream_options"] == {"include_usage": True}
+    assert cluster.settled_metric("specroute_completion_tokens_total", 5, pool="fast", backend="fast-1") == 5
+    assert cluster.settled_metric("specroute_time_to_first_token_seconds_count", 1, pool="fast", backend="fast-1") == 1
+    assert (
+        cluster.settled_metric("specroute_time_per_output_token_seconds_count", 1, pool="fast", backend="fast-1") == 1
+    )
+    assert (
+        cluster.metric("specroute_requests_total", pool="fast", backend="fast-1", job="interactive", status="200") == 1
+    )
+
+
+def test_usage_chunk_reaches_client_that_asked_for_it(cluster: Cluster) -> None:
+    stream = _client(cluster).chat.completions.create(
+        model="test-model",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usages = [c.usage for c in stream if c.usage is not None]
+    assert len(usages) == 1
+    assert usages[0].completion_tokens == 3
+
+
+def test_completions_stream_and_whole(cluster: Cluster) -> None:
+    client = _client(cluster)
+    stream = client.completions.create(model="test-model", prompt="once", max_tokens=4, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == "w0 w1 w2 w3 "
+    whole = client.completions.create(model="test-model", prompt="once", max_tokens=2)
+    assert whole.choices[0].text == "w0 w1"
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens == 2
+    assert cluster.settled_metric("specroute_completion_tokens_total", 6, pool="fast", backend="fast-1") == 6
+
+
+def test_non_streaming_chat_keeps_status_body_and_type(cluster: Cluster) -> None:
+    response = httpx.post(
+        cluster.base_url + "/chat/completions",
+        json={"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["choices"][0]["message"]["content"] == "w0 w1"
+    assert "stream_options" not in cluster.fast.requests[-1].body
+
+
+@pytest.mark.anyio
+async def test_async_client_streams_chat(cluster: Cluster) -> None:
+    client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="k", max_retries=0)
+    stream = await client.chat.completions.create(
+        model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+    )
+    pieces = [c.choices[0].delta.content async for c in stream if c.choices and c.choices[0].delta.content]
+    assert pieces == ["w0 ", "w1 ", "w2 "]
+    whole = await client.chat.completions.create(
+        model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+    )
+    assert whole.choices[0].message.content == "w0"
+    await client.close()
+
+
+def test_embeddings_and_other_v1_paths_are_forwarded(cluster: Cluster) -> None:
+    client = _client(cluster)
+    embedding = client.embeddings.create(model="test-model", input="hello")
+    assert embedding.data[0].embedding == [0.1, 0.2, 0.3]
+    response = httpx.post(cluster.base_url + "/responses", json={"model": "test-model", "input": "hi"})
+    assert response.status_code == 200
+    assert response.json()["id"] == "resp-1"
+    assert [seen.path for seen in cluster.fast.requests] == ["/v1/embeddings", "/v1/responses"]
+
+
+def test_job_header_sends_batch_to_standard_pool_and_is_not_forwarded(cluster: Cluster) -> None:
+    raw = _client(cluster, default_headers={"X-Job-Type": "batch"}).chat.completions.with_raw_response.create(
+        model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+    )
+    assert raw.headers["x-route-pool"] == "team"
+    assert raw.headers["x-job-type"] == "batch"
+    assert raw.headers["x-route-reason"] == "header"
+    seen = cluster.team.requests[-1].headers
+    assert "x-job-type" not in seen
+    assert cluster.fast.requests == []
+
+
+def test_pool_header_pins_a_pool(cluster: Cluster) -> None:
+    raw = _client(cluster, default_headers={"X-Route-Pool": "team"}).chat.completions.with_raw_response.create(
+        model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+    )
+    assert raw.headers["x-route-pool"] == "team"
+    assert raw.headers["x-route-reason"] == "pinned"
+    assert raw.headers["x-job-type"] == "interactive"
+    assert "x-route-pool" not in cluster.team.requests[-1].headers
+
+
+def test_request_id_travels_and_client_key_stays(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    secret_prompt = "my secret prompt"
+    with caplog.at_level(logging.INFO, logger="specroute.access"):
+        raw = _client(cluster, default_headers={"X-Request-Id": "req-42"}).chat.completions.with_raw_response.create(
+            model="test-model", messages=[{"role": "user", "content": secret_prompt}], max_tokens=2
+        )
+    assert raw.headers["x-request-id"] == "req-42"
+    seen = cluster.fast.requests[-1].headers
+    assert seen["x-request-id"] == "req-42"
+    assert "authorization" not in seen
+    lines = [r.getMessage() for r in caplog.records if r.name == "specroute.access"]
+    assert len(lines) == 1
+    assert "id=req-42" in lines[0]
+    assert "pool=fast" in lines[0]
+    assert "status=200" in lines[0]
+    assert "tokens=2" in lines[0]
+    assert secret_prompt not in lines[0]
+    assert "client-key" not in lines[0]
+
+
+def test_new_request_id_when_client_sends_none(cluster: Cluster) -> None:
+    response = httpx.post(cluster.base_url + "/completions", json={"model": "test-model", "prompt": "x"})
+    generated = response.headers["x-request-id"]
+    assert len(generated) == 32
+    assert cluster.fast.requests[-1].headers["x-request-id"] == generated
+
+
+def test_upstream_4xx_reaches_client_unchanged(cluster: Cluster) -> None:
+    response = httpx.post(cluster.base_url + "/chat/completions", json={"model": "nope", "messages": []})
+    assert response.status_code == 404
+    assert response.json() == {
+        "error": {"message": "The model `nope` does not exist.", "type": "NotFoundError", "param": None, "code": 404}
+    }
+    with pytest.raises(openai.NotFoundError):
+        _client(cluster).chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_models_is_the_deduplicated_union(make_cluster: Any) -> None:
+    with make_cluster() as cluster:
+        cluster.team.model = "other-model"
+        ids = sorted(m.id for m in _client(cluster).models.list())
+        assert ids == ["other-model", "test-model"]
+    with make_cluster() as cluster:
+        assert [m.id for m in _client(cluster).models.list()] == ["test-model"]
+
+
+def test_health_endpoints(cluster: Cluster) -> None:
+    assert httpx.get(cluster.router.url + "/healthz").json() == {"status": "ok"}
+    ready = httpx.get(cluster.router.url + "/readyz")
+    assert ready.status_code == 200
+    assert ready.json() == {"ready": True, "backends": {"fast-1": True, "team-1": True}}
+
+
+def test_rule_on_api_key_makes_batch_and_rewrites_model(make_cluster: Any) -> None:
+    rules = [
+        {
+            "name": "etl",
+            "job": "batch",
+            "match": {"api_key": "etl-key", "model": "*-batch"},
+            "rewrite_model": "test-model",
+        }
+    ]
+    with make_cluster(classify={"rules": rules}) as cluster:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="etl-key", max_retries=0)
+        raw = client.completions.with_raw_response.create(model="test-batch", prompt="x", max_tokens=1)
+        assert raw.headers["x-route-pool"] == "team"
+        assert raw.headers["x-route-reason"] == "rule:etl"
+        assert cluster.team.requests[-1].body["model"] == "test-model"
+        # The same model name with another key is not the ETL job.
+        other = _client(cluster).completions.with_raw_response.create(model="test-model", prompt="x", max_tokens=1)
+        assert other.headers["x-route-pool"] == "fast"
+
+
+def test_n_greater_than_one_is_batch(cluster: Cluster) -> None:
+    response = httpx.post(cluster.base_url + "/completions", json={"model": "test-model", "prompt": "x", "n": 2})
+    assert response.headers["x-route-pool"] == "team"
+    assert response.headers["x-route-reason"] == "n>1"
+
+
+def test_decisions_are_counted(cluster: Cluster) -> None:
+    client = _client(cluster)
+    client.completions.create(model="test-model", prompt="x", max_tokens=1)
+    client.completions.create(model="test-model", prompt="x", max_tokens=1, n=2)
+    assert (
+        cluster.settled_metric("specroute_route_decisions_total", 1, job="interactive", pool="fast", reason="default")
+        == 1
+    )
+    assert cluster.settled_metric("specroute_route_decisions_total", 1, job="batch", pool="team", reason="n>1") == 1
+
+
+def test_access_log_escapes_control_characters(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="specroute.access"):
+        httpx.post(
+            cluster.base_url + "/completions",
+            json={"model": "test-model", "prompt": "x"},
+            headers={"X-Request-Id": "evil\tid=forged"},
+        )
+    [line] = [r.getMessage() for r in caplog.records if r.name == "specroute.access"]
+    assert "\t" not in line
+    assert json.dumps("evil\tid=forged") in line

@@ -1,0 +1,92 @@
+"""StreamWatch: bytes pass through unchanged however the upstream splits them."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.sse import StreamWatch
+
+
+def _event(payload: dict[str, object]) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+ROLE = _event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+CONTENT = [_event({"choices": [{"index": 0, "delta": {"content": f"tok{i} "}}]}) for i in range(5)]
+FINISH = _event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+USAGE = _event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}})
+DONE = b"data: [DONE]\n\n"
+STREAM = ROLE + b"".join(CONTENT) + FINISH + USAGE + DONE
+
+
+def _replay(watch: StreamWatch, data: bytes, cuts: list[int]) -> tuple[bytes, int | None]:
+    """Feed `data` cut at `cuts`; return what came out and how many bytes in the first content was seen."""
+    out = b""
+    first_at = None
+    bounds = [0, *sorted(set(cuts)), len(data)]
+    for start, end in itertools.pairwise(bounds):
+        out += watch.feed(data[start:end])
+        if watch.saw_content and first_at is None:
+            first_at = end
+    return out + watch.flush(), first_at
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(STREAM) - 1), max_size=40))
+def test_any_split_reaches_client_byte_identical(cuts: list[int]) -> None:
+    watch = StreamWatch(drop_usage_chunk=False)
+    out, first_at = _replay(watch, STREAM, cuts)
+    assert out == STREAM
+    assert watch.completion_tokens == 5
+    # Content is noticed no earlier than the first content event is complete.
+    assert first_at is not None
+    assert first_at >= len(ROLE) + len(CONTENT[0])
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(STREAM) - 1), max_size=40))
+def test_router_requested_usage_chunk_is_removed_and_counted(cuts: list[int]) -> None:
+    watch = StreamWatch(drop_usage_chunk=True)
+    out, _ = _replay(watch, STREAM, cuts)
+    assert out == STREAM.replace(USAGE, b"")
+    assert watch.completion_tokens == 5
+
+
+def test_role_only_chunk_is_not_content() -> None:
+    watch = StreamWatch(drop_usage_chunk=False)
+    assert watch.feed(ROLE) == ROLE
+    assert not watch.saw_content
+    watch.feed(CONTENT[0])
+    assert watch.saw_content
+
+
+def test_completions_text_and_crlf_events() -> None:
+    watch = StreamWatch(drop_usage_chunk=False)
+    event = b'data: {"choices": [{"index": 0, "text": "hi"}]}\r\n\r\n'
+    assert watch.feed(event[:10]) == b""
+    assert watch.feed(event[10:]) == event
+    assert watch.saw_content
+
+
+def test_empty_text_and_comments_are_not_content() -> None:
+    watch = StreamWatch(drop_usage_chunk=False)
+    data = b": keep-alive\n\n" + b'data: {"choices": [{"index": 0, "text": ""}]}\n\n'
+    assert watch.feed(data) == data
+    assert not watch.saw_content
+
+
+def test_responses_api_events() -> None:
+    watch = StreamWatch(drop_usage_chunk=False)
+    delta = b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", "delta": "Hi"}\n\n'
+    done = b'data: {"type": "response.completed", "response": {"usage": {"input_tokens": 3, "output_tokens": 9}}}\n\n'
+    assert watch.feed(delta + done) == delta + done
+    assert watch.saw_content
+    assert watch.completion_tokens == 9
+
+
+def test_unterminated_tail_is_flushed_as_is() -> None:
+    watch = StreamWatch(drop_usage_chunk=False)
+    assert watch.feed(CONTENT[0] + b"data: partial") == CONTENT[0]
+    assert watch.flush() == b"data: partial"
