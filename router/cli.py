@@ -3,33 +3,68 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 import uvicorn
 
 from router.app import create_app
-from router.config import ConfigError, Settings, load_settings, masked
+from router.config import CONFIG_ENV, ConfigError, Settings, load_settings, masked
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specroute", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="specroute", description="OpenAI-compatible router for a speculative and a standard engine pool."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the router")
-    serve.add_argument("--config", help="YAML settings file (default: $SPECROUTE_CONFIG)")
+    serve = commands.add_parser(
+        "serve", help="run the router (with no configuration: in front of a simulated eight-node cluster)"
+    )
+    serve.add_argument("--config", help=f"YAML settings file (default: ${CONFIG_ENV})")
     serve.add_argument("--host", help="listen address (overrides listen.host)")
     serve.add_argument("--port", type=int, help="listen port (overrides listen.port)")
+    serve.add_argument(
+        "--time-scale", type=float, default=1.0, help="simulated cluster only: run N times faster than real time"
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     check = commands.add_parser("check-config", help="validate a settings file and print it resolved")
     check.add_argument("file")
 
+    sim = commands.add_parser("sim", help="run one simulated engine; or calibrate, or fit a profile")
+    sim.add_argument("--profile", default="fast", help="profile name (fast, team) or a profile YAML file")
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=int, default=9001)
+    sim.add_argument("--time-scale", type=float, default=1.0, help="run N times faster than real time")
+    sim.add_argument("--seed", type=int, default=0)
+    sim_actions = sim.add_subparsers(dest="sim_command")
+    calibrate = sim_actions.add_parser("calibrate", help="replay the field note on the profiles and compare")
+    calibrate.add_argument("--fast", default="fast", help="profile for the speculative setup")
+    calibrate.add_argument("--team", default="team", help="profile for the standard setup")
+    fit = sim_actions.add_parser("fit", help="derive a profile's speed from a `specroute bench sweep` JSON")
+    fit.add_argument("sweep", help="JSON written by `specroute bench sweep --out`")
+    fit.add_argument("--base", default="team", help="profile to start from (fast, team or a file)")
+    fit.add_argument("--name", help="name of the new profile")
+    fit.add_argument("--out", help="write the profile here (default: print it)")
+
+    from router.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(commands)
+
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from router.bench.cli import run as run_bench
+
+        return run_bench(args)
     if args.command == "check-config":
         return _check_config(args.file)
+    if args.command == "sim":
+        return _sim(args)
     return _serve(args)
 
 
@@ -43,7 +78,25 @@ def _check_config(path: str) -> int:
     return 0
 
 
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    # httpx logs every request it sends at INFO: health probes and upstream calls are not news.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    if args.config is None and not os.environ.get(CONFIG_ENV):
+        from router.sim.cluster import serve_cluster
+
+        _logging(args.log_level)
+        asyncio.run(
+            serve_cluster(
+                host=args.host or "127.0.0.1",
+                port=8000 if args.port is None else args.port,
+                time_scale=args.time_scale,
+            )
+        )
+        return 0
     try:
         settings = load_settings(args.config)
     except ConfigError as exc:
@@ -54,7 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def run_router(settings: Settings, *, host: str | None, port: int | None, log_level: str) -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    _logging(log_level)
     uvicorn.run(
         create_app(settings),
         host=host or settings.listen.host,
@@ -65,6 +118,33 @@ def run_router(settings: Settings, *, host: str | None, port: int | None, log_le
         server_header=False,
         log_level=log_level,
     )
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from router.sim import calibrate, fit
+    from router.sim.profile import load_profile
+    from router.sim.server import create_sim_app
+
+    if args.sim_command == "calibrate":
+        checks = calibrate.calibrate(load_profile(args.fast), load_profile(args.team))
+        print(calibrate.table(checks))
+        failed = [c for c in checks if not c.ok]
+        print(f"\n{len(checks) - len(failed)} of {len(checks)} figures within tolerance")
+        return 1 if failed else 0
+    if args.sim_command == "fit":
+        return fit.main(args.sweep, base=args.base, name=args.name, out=args.out)
+    profile = load_profile(args.profile)
+    print(f"specroute sim: {profile.name} engine ({profile.model}) at http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(
+        create_sim_app(profile, time_scale=args.time_scale, seed=args.seed),
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        log_level="warning",
+    )
+    return 0
 
 
 if __name__ == "__main__":

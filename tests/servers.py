@@ -13,6 +13,7 @@ import uvicorn
 class ServerThread:
     def __init__(self, app: Any, *, fast: bool = False) -> None:
         # `fast` runs the router's production stack (uvloop, httptools); fakes use the defaults.
+        self.app = app
         extra: dict[str, Any] = {"loop": "uvloop", "http": "httptools"} if fast else {}
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False, **extra)
         self.server = uvicorn.Server(config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 import httpx
@@ -11,6 +12,16 @@ import openai
 import pytest
 
 from tests.conftest import Cluster
+
+
+def _access_lines(caplog: pytest.LogCaptureFixture, count: int = 1) -> list[str]:
+    """The access-log lines, once `count` are there: the router logs just after the last byte."""
+    deadline = time.monotonic() + 2
+    while True:
+        lines = [r.getMessage() for r in caplog.records if r.name == "specroute.access"]
+        if len(lines) >= count or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.005)
 
 
 def _client(cluster: Cluster, **kwargs: Any) -> openai.OpenAI:
@@ -131,11 +142,11 @@ def test_request_id_travels_and_client_key_stays(cluster: Cluster, caplog: pytes
         raw = _client(cluster, default_headers={"X-Request-Id": "req-42"}).chat.completions.with_raw_response.create(
             model="test-model", messages=[{"role": "user", "content": secret_prompt}], max_tokens=2
         )
+        lines = _access_lines(caplog)
     assert raw.headers["x-request-id"] == "req-42"
     seen = cluster.fast.requests[-1].headers
     assert seen["x-request-id"] == "req-42"
     assert "authorization" not in seen
-    lines = [r.getMessage() for r in caplog.records if r.name == "specroute.access"]
     assert len(lines) == 1
     assert "id=req-42" in lines[0]
     assert "pool=fast" in lines[0]
@@ -222,6 +233,6 @@ def test_access_log_escapes_control_characters(cluster: Cluster, caplog: pytest.
             json={"model": "test-model", "prompt": "x"},
             headers={"X-Request-Id": "evil\tid=forged"},
         )
-    [line] = [r.getMessage() for r in caplog.records if r.name == "specroute.access"]
+        [line] = _access_lines(caplog)
     assert "\t" not in line
     assert json.dumps("evil\tid=forged") in line

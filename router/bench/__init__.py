@@ -1,0 +1,1 @@
+"""`specroute bench`: measure an OpenAI-compatible endpoint the way the field note did."""

@@ -1,0 +1,250 @@
+"""`specroute bench sweep | mixed | compare`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from router.bench import report
+from router.bench.compare import run_on_layouts
+from router.bench.load import Target
+from router.bench.scenarios import MixedResult, Summary, mixed, sweep
+from router.sim.cluster import LAYOUTS, LayoutName
+from router.sim.profile import load_profile
+
+T = TypeVar("T")
+console = Console(stderr=True)
+
+
+def add_parser(commands: Any) -> None:
+    bench = commands.add_parser("bench", help="measure an OpenAI-compatible endpoint the way the note did")
+    scenarios = bench.add_subparsers(dest="scenario", required=True)
+
+    def common(parser: argparse.ArgumentParser, *, target: bool) -> None:
+        if target:
+            parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+            parser.add_argument("--model", help="model name (default: the first the endpoint lists)")
+            parser.add_argument("--api-key", default="none")
+        parser.add_argument("--kind", choices=["prose", "code"], default="prose", help="prompt set")
+        parser.add_argument("--max-tokens", type=int, default=512, help="fixed answer length")
+        parser.add_argument(
+            "--time-scale", type=float, default=1.0 if target else 10.0,
+            help="the target is a simulator running N times faster: report real-time figures",
+        )  # fmt: skip
+        parser.add_argument("--out", type=Path, help="directory for report.md, JSON, CSV and plots")
+
+    def mixed_options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--interactive", type=int, default=4, help="interactive users (closed loop)")
+        parser.add_argument("--batch", type=int, default=124, help="requests the batch job keeps in flight")
+        parser.add_argument("--duration", type=float, default=300, help="seconds (real time) to keep starting")
+        parser.add_argument("--think", type=float, default=5, help="an interactive user's think time, seconds")
+        parser.add_argument("--batch-header", action="store_true", help="the batch job sends X-Job-Type: batch")
+
+    def users(value: str) -> list[int]:
+        return [int(v) for v in value.split(",") if v]
+
+    sweep_parser = scenarios.add_parser("sweep", help="one round per concurrency, like the note")
+    common(sweep_parser, target=True)
+    sweep_parser.add_argument("--users", type=users, default=[1, 2, 4, 8, 16, 32, 64, 128])
+
+    mixed_parser = scenarios.add_parser("mixed", help="interactive users beside a batch job")
+    common(mixed_parser, target=True)
+    mixed_options(mixed_parser)
+
+    compare = scenarios.add_parser("compare", help="a scenario on each layout of eight simulated nodes")
+    common(compare, target=False)
+    compare.add_argument("--scenario", dest="compared", choices=["mixed", "sweep"], default="mixed")
+    compare.add_argument("--users", type=users, default=[1, 2, 4, 8, 16, 32, 64, 128])
+    mixed_options(compare)
+
+
+def run(args: argparse.Namespace) -> int:
+    out: Path = args.out or Path("bench-results") / f"{args.scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.scenario == "sweep":
+        return _sweep(args, out)
+    if args.scenario == "mixed":
+        return _mixed(args, out)
+    return _compare(args, out)
+
+
+def _target(args: argparse.Namespace) -> Target:
+    model = args.model
+    if model is None:
+        response = httpx.get(
+            args.base_url.rstrip("/") + "/models", headers={"authorization": f"Bearer {args.api_key}"}, timeout=10
+        )
+        response.raise_for_status()
+        model = response.json()["data"][0]["id"]
+    return Target(base_url=args.base_url, model=model, api_key=args.api_key, time_scale=args.time_scale)
+
+
+def _with_progress(description: str, work: Callable[[Callable[[float], None]], Coroutine[Any, Any, T]]) -> T:
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
+        console=console,
+    ) as progress:  # fmt: skip
+        task = progress.add_task(description, total=1.0)
+        return asyncio.run(work(lambda share: progress.update(task, completed=share)))
+
+
+def _finish(out: Path, markdown: str) -> int:
+    (out / "report.md").write_text(markdown + "\n")
+    print(markdown)
+    console.print(f"[green]wrote {out}/")
+    return 0
+
+
+def _sweep(args: argparse.Namespace, out: Path) -> int:
+    target = _target(args)
+    rounds = _with_progress(
+        f"sweep {args.base_url}",
+        lambda progress: sweep(target, args.users, kind=args.kind, max_tokens=args.max_tokens, progress=progress),
+    )
+    meta = _meta(args, target)
+    report.write_json(out / "sweep.json", report.sweep_data(rounds, meta))
+    report.write_csv(out / "sweep.csv", [_row(r.summary, users=r.users) for r in rounds])
+    report.plot_sweeps({target.base_url: rounds}, out / "sweep.png", f"{target.model}, {args.kind}")
+    return _finish(out, f"## sweep of {target.base_url} ({target.model}, {args.kind})\n\n" + report.sweep_table(rounds))
+
+
+def _mixed_run(args: argparse.Namespace, target: Target, progress: Callable[[float], None], **over: int) -> Any:
+    params = {"interactive_users": args.interactive, "batch_in_flight": args.batch, **over}
+    return mixed(
+        target,
+        duration=args.duration,
+        think_time=args.think,
+        kind=args.kind,
+        max_tokens=args.max_tokens,
+        batch_header=args.batch_header,
+        progress=progress,
+        **params,
+    )
+
+
+def _mixed(args: argparse.Namespace, out: Path) -> int:
+    target = _target(args)
+    result = _with_progress(f"mixed {args.base_url}", lambda progress: _mixed_run(args, target, progress))
+    results = {target.base_url: result}
+    _write_mixed(results, args, target, out)
+    return _finish(out, f"## mixed load on {target.base_url}\n\n" + report.mixed_table(results))
+
+
+def _write_mixed(results: dict[str, MixedResult], args: argparse.Namespace, target: Target, out: Path) -> None:
+    report.write_json(out / "mixed.json", report.mixed_data(results, _meta(args, target)))
+    rows = [
+        _row(summary, layout=name, job=job)
+        for name, result in results.items()
+        for job, summary in (("interactive", result.interactive), ("batch", result.batch))
+    ]
+    report.write_csv(out / "mixed.csv", rows)
+    report.plot_mixed(results, out / "mixed.png", f"{args.interactive} interactive users + {args.batch} batch")
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    claim: str
+    value: str
+    ok: bool
+
+
+def mixed_verdicts(results: dict[str, MixedResult]) -> list[Verdict]:
+    """The issue's targets for the routed layout, each against its baseline."""
+    routed = results["routed"]
+    verdicts = []
+    alone = results.get("fast-alone")
+    if alone and alone.interactive.per_user_tps and routed.interactive.per_user_tps:
+        share = routed.interactive.per_user_tps / alone.interactive.per_user_tps
+        verdicts.append(
+            Verdict("interactive per-user speed ≥ 95 % of the speculative engine alone", f"{share:.1%}", share >= 0.95)
+        )
+    alone = results.get("team-alone")
+    if alone and alone.batch.total_tps:
+        share = routed.batch.total_tps / alone.batch.total_tps
+        verdicts.append(Verdict("batch throughput ≥ 95 % of one standard engine alone", f"{share:.1%}", share >= 0.95))
+    worst = max(routed.interactive.ttft_worst or 0.0, routed.batch.ttft_worst or 0.0)
+    verdicts.append(Verdict("no first token waits more than 3 s", f"worst {worst:.2f} s", worst <= 3.0))
+    return verdicts
+
+
+def _compare(args: argparse.Namespace, out: Path) -> int:
+    model = load_profile("fast").model
+    target_meta = Target(base_url="(simulated layouts)", model=model, time_scale=args.time_scale)
+    if args.compared == "sweep":
+        rounds = run_on_layouts(
+            LAYOUTS,
+            lambda target: sweep(target, args.users, kind=args.kind, max_tokens=args.max_tokens),
+            model=model,
+            time_scale=args.time_scale,
+            on_layout=lambda name: console.print(f"[bold]{name}[/]: sweep {args.users}"),
+        )
+        report.plot_sweeps(rounds, out / "compare-sweep.png", f"three layouts of eight nodes, {args.kind}")
+        report.write_json(
+            out / "compare-sweep.json",
+            {name: report.sweep_data(r, _meta(args, target_meta)) for name, r in rounds.items()},
+        )
+        report.write_csv(
+            out / "compare-sweep.csv",
+            [_row(r.summary, layout=n, users=r.users) for n, rs in rounds.items() for r in rs],
+        )
+        markdown = "\n\n".join(f"### {name}\n\n{report.sweep_table(r)}" for name, r in rounds.items())
+        return _finish(out, "## compare: sweep\n\n" + markdown)
+
+    runs: list[tuple[LayoutName, dict[str, int]]] = [
+        ("routed", {}),
+        ("all-speculative", {}),
+        ("all-standard", {}),
+        ("fast-alone", {"batch_in_flight": 0}),
+        ("team-alone", {"interactive_users": 0}),
+    ]
+    results: dict[str, MixedResult] = {}
+    for name, over in runs:
+        console.print(f"[bold]{name}[/]")
+        results.update(
+            run_on_layouts(
+                (name,),
+                lambda target, over=over: _progress_free_mixed(args, target, **over),  # type: ignore[misc]
+                model=model,
+                time_scale=args.time_scale,
+            )
+        )
+    _write_mixed(results, args, target_meta, out)
+    verdicts = mixed_verdicts(results)
+    lines = ["| target (routed layout) | measured | met |", "|---|---:|:-:|"]
+    lines += [f"| {v.claim} | {v.value} | {'yes' if v.ok else 'NO'} |" for v in verdicts]
+    markdown = (
+        f"## compare: {args.interactive} interactive users + a {args.batch}-request batch job, "
+        f"{args.max_tokens}-token answers, {args.duration:g} s\n\n"
+        + report.mixed_table(results)
+        + "\n\n"
+        + "\n".join(lines)
+    )
+    return _finish(out, markdown)
+
+
+async def _progress_free_mixed(args: argparse.Namespace, target: Target, **over: int) -> MixedResult:
+    result: MixedResult = await _mixed_run(args, target, lambda share: None, **over)
+    return result
+
+
+def _meta(args: argparse.Namespace, target: Target) -> dict[str, Any]:
+    return {
+        "target": target.base_url,
+        "model": target.model,
+        "kind": args.kind,
+        "answer_tokens": args.max_tokens,
+        "time_scale": target.time_scale,
+    }
+
+
+def _row(summary: Summary, **labels: Any) -> dict[str, Any]:
+    return {**labels, **summary.as_dict()}

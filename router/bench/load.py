@@ -1,0 +1,151 @@
+"""The load generator: streaming requests against any OpenAI-compatible `base_url`.
+
+Each request is a streamed chat completion read with a bare HTTP client (the official SDK's
+per-chunk objects would cost more CPU than the router being measured). Per request it records
+the time to the first chunk that carries generated text, the completion tokens the server
+reports in `usage`, the duration and the status.
+
+With `time_scale` N (a simulated target running N times faster than real time), every wall-clock
+duration is multiplied by N, so the figures are in the target's real time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from router.content import ContentKind
+from router.prompts import prompts
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    base_url: str
+    model: str
+    api_key: str = "none"
+    time_scale: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What one request asks for, and who it says it is."""
+
+    kind: ContentKind = "prose"
+    max_tokens: int = 512
+    fixed_length: bool = True  # ignore_eos + min_tokens: every answer exactly max_tokens long
+    api_key: str | None = None  # overrides the target's key: how a batch job identifies itself
+    user: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    label: str = "all"
+
+
+@dataclass(slots=True)
+class Record:
+    label: str
+    start: float  # real-time seconds since the run began
+    ttft: float | None = None
+    duration: float | None = None
+    tokens: int = 0
+    prompt_tokens: int = 0
+    status: int = 0
+    error: str | None = None
+    pool: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+    @property
+    def decode_tps(self) -> float | None:
+        """Tokens per second after the first: the speed a user watches the answer arrive at."""
+        if self.ttft is None or self.duration is None or self.tokens < 2 or self.duration <= self.ttft:
+            return None
+        return (self.tokens - 1) / (self.duration - self.ttft)
+
+
+class Load:
+    """Sends requests and keeps their records; one per run."""
+
+    def __init__(self, target: Target, *, max_connections: int = 512) -> None:
+        self.target = target
+        self.records: list[Record] = []
+        self._client = httpx.AsyncClient(
+            base_url=target.base_url.rstrip("/"),
+            timeout=httpx.Timeout(connect=10, read=None, write=30, pool=None),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+        self._origin = time.perf_counter()
+        self._counter = 0
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    def now(self) -> float:
+        """Real-time seconds since the run began."""
+        return (time.perf_counter() - self._origin) * self.target.time_scale
+
+    def restart_clock(self) -> None:
+        self._origin = time.perf_counter()
+
+    def _body(self, job: Job) -> dict[str, Any]:
+        texts = prompts(job.kind)
+        self._counter += 1
+        body: dict[str, Any] = {
+            "model": self.target.model,
+            "messages": [{"role": "user", "content": texts[self._counter % len(texts)]}],
+            "max_tokens": job.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if job.fixed_length:
+            body["ignore_eos"] = True
+            body["min_tokens"] = job.max_tokens
+        if job.user:
+            body["user"] = job.user
+        return body
+
+    async def request(self, job: Job) -> Record:
+        record = Record(job.label, self.now())
+        self.records.append(record)
+        headers = {"authorization": f"Bearer {job.api_key or self.target.api_key}", **job.headers}
+        started = time.perf_counter()
+        scale = self.target.time_scale
+        try:
+            async with self._client.stream(
+                "POST", "/chat/completions", json=self._body(job), headers=headers
+            ) as response:
+                record.status = response.status_code
+                record.pool = response.headers.get("x-route-pool")
+                if response.status_code != 200:
+                    await response.aread()
+                    record.error = response.text[:200]
+                    return record
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if "error" in chunk:
+                        record.error = str(chunk["error"].get("message", chunk["error"]))
+                    if record.ttft is None and _has_text(chunk):
+                        record.ttft = (time.perf_counter() - started) * scale
+                    usage = chunk.get("usage")
+                    if usage:
+                        record.tokens = int(usage.get("completion_tokens", 0))
+                        record.prompt_tokens = int(usage.get("prompt_tokens", 0))
+        except httpx.HTTPError as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            record.duration = (time.perf_counter() - started) * scale
+        return record
+
+
+def _has_text(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning_content"):
+            return True
+    return False

@@ -1,0 +1,154 @@
+"""What a benchmark run leaves behind: a markdown table, JSON and CSV, and PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+
+import matplotlib.pyplot as plt
+
+from router.bench.scenarios import MixedResult, SweepRound
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+# -- sweep -------------------------------------------------------------------------------------
+
+
+def sweep_table(rounds: Sequence[SweepRound]) -> str:
+    lines = [
+        "| users | total tok/s | per-user tok/s | median TTFT | worst TTFT | errors |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rounds:
+        s = r.summary
+        lines.append(
+            f"| {r.users} | {_f(s.total_tps)} | {_f(s.per_user_tps)} | {_f(s.ttft_p50, 2)} s "
+            f"| {_f(s.ttft_worst, 2)} s | {s.errors} |"
+        )
+    return "\n".join(lines)
+
+
+def sweep_data(rounds: Sequence[SweepRound], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON form; `specroute sim fit` reads it."""
+    prompts = [r.summary.prompt_tokens for r in rounds if r.summary.prompt_tokens]
+    return {
+        **meta,
+        "prompt_tokens": prompts[0] if prompts else None,
+        "rounds": [
+            {
+                "users": r.users,
+                "total_tps": r.summary.total_tps,
+                "per_user_tps": r.summary.per_user_tps,
+                "median_ttft": r.summary.ttft_p50,
+                "worst_ttft": r.summary.ttft_worst,
+                "errors": r.summary.errors,
+                "tokens": r.summary.tokens,
+            }
+            for r in rounds
+        ],
+    }
+
+
+def plot_sweeps(series: Mapping[str, Sequence[SweepRound]], path: Path, title: str) -> None:
+    """Total tok/s and worst TTFT (log scale) against users, one line per series."""
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, rounds in series.items():
+        users = [r.users for r in rounds]
+        left.plot(users, [r.summary.total_tps for r in rounds], marker="o", label=name)
+        right.plot(users, [r.summary.ttft_worst or float("nan") for r in rounds], marker="o", label=name)
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("simultaneous users")
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    left.set_ylabel("total delivered tok/s")
+    right.set_ylabel("worst time to first token (s)")
+    right.set_yscale("log")
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+# -- mixed / compare ---------------------------------------------------------------------------
+
+
+def mixed_table(results: Mapping[str, MixedResult]) -> str:
+    lines = [
+        "| layout | class | requests | per-user tok/s | class tok/s | TTFT p50 | TTFT p99 | worst TTFT | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, result in results.items():
+        for label, s in (("interactive", result.interactive), ("batch", result.batch)):
+            if not s.requests:
+                continue
+            lines.append(
+                f"| {name} | {label} | {s.requests} | {_f(s.per_user_tps)} | {_f(s.total_tps)} "
+                f"| {_f(s.ttft_p50, 2)} s | {_f(s.ttft_p99, 2)} s | {_f(s.ttft_worst, 2)} s | {s.errors} |"
+            )
+    return "\n".join(lines)
+
+
+def mixed_data(results: Mapping[str, MixedResult], meta: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        **meta,
+        "layouts": {
+            name: {"interactive": r.interactive.as_dict(), "batch": r.batch.as_dict()} for name, r in results.items()
+        },
+    }
+
+
+def plot_mixed(results: Mapping[str, MixedResult], path: Path, title: str) -> None:
+    """Per class bars: interactive per-user speed, batch throughput, worst first token."""
+    names = list(results)
+    figure, axes = plt.subplots(1, 3, figsize=(13, 4.2))
+    panels: list[tuple[str, str, list[float]]] = [
+        ("interactive: per-user tok/s", "tok/s", [_num(results[n].interactive.per_user_tps) for n in names]),
+        ("batch: delivered tok/s", "tok/s", [_num(results[n].batch.total_tps) for n in names]),
+        (
+            "worst time to first token",
+            "seconds (log)",
+            [max(_num(results[n].interactive.ttft_worst), _num(results[n].batch.ttft_worst)) for n in names],
+        ),
+    ]
+    for axis, (heading, unit, values) in zip(axes, panels, strict=True):
+        bars = axis.bar(names, values, color=["#4c72b0", "#dd8452", "#55a868", "#8172b3", "#937860"][: len(names)])
+        axis.bar_label(bars, fmt="%.1f")
+        axis.set_title(heading)
+        axis.set_ylabel(unit)
+        axis.tick_params(axis="x", rotation=20)
+    axes[2].set_yscale("log")
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _num(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
+# -- files -------------------------------------------------------------------------------------
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    if not rows:
+        return
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

@@ -1,0 +1,168 @@
+"""The benchmark's scenarios: `sweep` (the note's measurement) and `mixed` (a team at work).
+
+Every figure is in the target's real time (wall-clock × time scale) and counts delivered tokens
+only, as the engine reports them in `usage`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from router.bench.load import Job, Load, Record, Target
+from router.content import ContentKind
+
+Progress = Callable[[float], None]  # called with the share of the run done, 0..1
+
+
+def _percentile(values: Sequence[float], share: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(share * (len(ordered) - 1))))]
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """What a set of requests got: per-user speed, first-token times, delivered tokens."""
+
+    requests: int
+    errors: int
+    tokens: int
+    total_tps: float  # delivered tokens / span from first start to last end
+    per_user_tps: float | None  # median over requests of tokens/s after the first token
+    ttft_p50: float | None
+    ttft_p99: float | None
+    ttft_worst: float | None
+    prompt_tokens: float | None = None
+
+    @classmethod
+    def of(cls, records: Sequence[Record]) -> Summary:
+        done = [r for r in records if r.ok]
+        ttfts = [r.ttft for r in done if r.ttft is not None]
+        speeds = [s for r in done if (s := r.decode_tps) is not None]
+        ends = [r.start + r.duration for r in done if r.duration is not None]
+        span = (max(ends) - min(r.start for r in done)) if done else 0.0
+        tokens = sum(r.tokens for r in done)
+        prompts = [r.prompt_tokens for r in done if r.prompt_tokens]
+        return cls(
+            requests=len(records),
+            errors=len(records) - len(done),
+            tokens=tokens,
+            total_tps=tokens / span if span > 0 else 0.0,
+            per_user_tps=statistics.median(speeds) if speeds else None,
+            ttft_p50=_percentile(ttfts, 0.5),
+            ttft_p99=_percentile(ttfts, 0.99),
+            ttft_worst=max(ttfts) if ttfts else None,
+            prompt_tokens=statistics.median(prompts) if prompts else None,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class SweepRound:
+    users: int
+    summary: Summary
+
+
+async def sweep(
+    target: Target,
+    users: Sequence[int],
+    *,
+    kind: ContentKind = "prose",
+    max_tokens: int = 512,
+    pause: float = 1.0,
+    progress: Progress | None = None,
+) -> list[SweepRound]:
+    """For each concurrency, one round of that many simultaneous requests."""
+    rounds = []
+    load = Load(target, max_connections=max(users) + 8)
+    try:
+        for done, count in enumerate(users):
+            load.records = []
+            load.restart_clock()
+            job = Job(kind=kind, max_tokens=max_tokens)
+            records = await asyncio.gather(*(load.request(job) for _ in range(count)))
+            rounds.append(SweepRound(count, Summary.of(records)))
+            if progress:
+                progress((done + 1) / len(users))
+            await asyncio.sleep(pause)  # let the engine settle before the next round
+    finally:
+        await load.aclose()
+    return rounds
+
+
+@dataclass(frozen=True, slots=True)
+class MixedResult:
+    interactive: Summary
+    batch: Summary
+    records: list[Record]
+
+
+async def mixed(
+    target: Target,
+    *,
+    interactive_users: int = 4,
+    batch_in_flight: int = 124,
+    duration: float = 300.0,
+    think_time: float = 5.0,
+    kind: ContentKind = "prose",
+    max_tokens: int = 512,
+    batch_header: bool = False,
+    progress: Progress | None = None,
+) -> MixedResult:
+    """Interactive users in a closed loop with think time, beside a batch job keeping N in flight.
+
+    Each interactive user has its own API key; the batch job has one key for all its requests.
+    By default nothing else tells the router which is which: it must find the batch job by its
+    behaviour. `batch_header` adds `X-Job-Type: batch` to compare with a declared job.
+    Requests start until `duration` (real time) has passed; the run ends when the last finishes.
+    """
+    load = Load(target, max_connections=interactive_users + batch_in_flight + 8)
+    scale = target.time_scale
+    batch = Job(
+        kind=kind,
+        max_tokens=max_tokens,
+        api_key="bench-batch-job",
+        headers={"X-Job-Type": "batch"} if batch_header else {},
+        label="batch",
+    )
+
+    async def user(number: int) -> None:
+        job = Job(kind=kind, max_tokens=max_tokens, api_key=f"bench-user-{number}", label="interactive")
+        # Users start a little apart, as people do.
+        await asyncio.sleep(number * think_time / max(1, interactive_users) / scale)
+        while load.now() < duration:
+            await load.request(job)
+            await asyncio.sleep(think_time / scale)
+
+    async def batch_worker() -> None:
+        while load.now() < duration:
+            await load.request(batch)
+
+    async def report_progress() -> None:
+        while progress is not None:
+            progress(min(1.0, load.now() / duration))
+            await asyncio.sleep(0.2)
+
+    ticker = asyncio.create_task(report_progress())
+    try:
+        await asyncio.gather(
+            *(user(i) for i in range(interactive_users)), *(batch_worker() for _ in range(batch_in_flight))
+        )
+    finally:
+        ticker.cancel()
+        await load.aclose()
+    if progress:
+        progress(1.0)
+    records = load.records
+    return MixedResult(
+        interactive=Summary.of([r for r in records if r.label == "interactive"]),
+        batch=Summary.of([r for r in records if r.label == "batch"]),
+        records=records,
+    )

@@ -1,0 +1,138 @@
+"""Simulated clusters behind the router, in one process.
+
+The embedded default (`specroute serve` with no configuration) is the `routed` layout: four
+nodes run the engine with speculation (pool `fast`), four without (pool `team`). The benchmark's
+`compare` also runs the other ways to use the same eight nodes: all speculative, all standard.
+Each engine listens on a loopback port the OS picks; the router listens where it is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import uvicorn
+from starlette.applications import Starlette
+
+from router.app import create_app
+from router.config import Settings
+from router.sim.profile import Profile, load_profile
+from router.sim.server import create_sim_app
+
+LayoutName = Literal["routed", "all-speculative", "all-standard", "fast-alone", "team-alone"]
+# The three ways to use eight nodes; the two single engines (four nodes) are the baselines.
+LAYOUTS: tuple[LayoutName, ...] = ("routed", "all-speculative", "all-standard")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    name: str
+    speculative: bool
+    engines: tuple[Profile, ...]
+
+
+def layout(name: LayoutName, *, fast: Profile | None = None, team: Profile | None = None) -> list[PoolSpec]:
+    fast = fast or load_profile("fast")
+    team = team or load_profile("team")
+    if name == "routed":
+        return [PoolSpec("fast", True, (fast,)), PoolSpec("team", False, (team,))]
+    if name == "all-speculative":
+        return [PoolSpec("fast", True, (fast, fast))]
+    if name == "all-standard":
+        return [PoolSpec("team", False, (team, team))]
+    if name == "fast-alone":
+        return [PoolSpec("fast", True, (fast,))]
+    return [PoolSpec("team", False, (team,))]
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def cluster_settings(pools: dict[str, tuple[bool, list[str]]], *, host: str, port: int) -> Settings:
+    """Router settings for pools given as name -> (speculative, engine URLs)."""
+    data: dict[str, Any] = {
+        "listen": {"host": host, "port": port},
+        "pools": {
+            name: {
+                "speculative": speculative,
+                # Let the engines queue, as they did in the note; the router only forwards.
+                "backends": {f"{name}-{i + 1}": {"url": url, "max_concurrency": 256} for i, url in enumerate(urls)},
+            }
+            for name, (speculative, urls) in pools.items()
+        },
+    }
+    return Settings(**data)  # SPECROUTE_* variables still override, as with a file
+
+
+def example(base_url: str, model: str) -> str:
+    return f"""\
+Try it:
+  curl -N {base_url}/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "stream": true, "messages": [{{"role": "user", "content": "Tell me about tides."}}]}}'
+or with the OpenAI client:
+  from openai import OpenAI
+  client = OpenAI(base_url="{base_url}", api_key="none")
+  for chunk in client.chat.completions.create(model="{model}", stream=True,
+          messages=[{{"role": "user", "content": "Write a Python LRU cache."}}]):
+      print(chunk.choices[0].delta.content or "", end="", flush=True) if chunk.choices else None
+Add the header 'X-Job-Type: batch' to send a request to the team pool."""
+
+
+async def serve_cluster(
+    pools: list[PoolSpec] | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    time_scale: float = 1.0,
+    on_ready: Callable[[str, str], Any] = lambda base_url, banner: print(banner, flush=True),
+) -> None:
+    """Serve until stopped; `on_ready(base_url, banner)` once every server listens."""
+    pools = pools or layout("routed")
+    apps: list[tuple[Starlette, socket.socket]] = []
+    urls: dict[str, tuple[bool, list[str]]] = {}
+    lines = []
+    for pool in pools:
+        urls[pool.name] = (pool.speculative, [])
+        for profile in pool.engines:
+            sock = _bind("127.0.0.1", 0)
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            urls[pool.name][1].append(url)
+            apps.append((create_sim_app(profile, time_scale=time_scale), sock))
+            kind = "speculative" if profile.speculative else "standard"
+            lines.append(f"  pool {pool.name}: {profile.name} engine, {kind}, {profile.nodes} nodes  {url}")
+    router_sock = _bind(host, port)
+    settings = cluster_settings(urls, host=host, port=router_sock.getsockname()[1])
+    apps.append((create_app(settings), router_sock))
+    servers = [
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, server_header=False))
+        for app, _ in apps
+    ]
+    tasks = [asyncio.create_task(server.serve(sockets=[sock])) for server, (_, sock) in zip(servers, apps, strict=True)]
+    while not all(server.started for server in servers):
+        if any(task.done() for task in tasks):
+            break
+        await asyncio.sleep(0.02)
+    else:
+        nodes = sum(profile.nodes for pool in pools for profile in pool.engines)
+        base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{settings.listen.port}/v1"
+        scale = "real time" if time_scale == 1 else f"{time_scale:g}x real time"
+        model = pools[0].engines[0].model
+        on_ready(
+            base_url,
+            f"specroute: router at {base_url}, in front of a simulated {nodes}-node cluster ({scale})\n"
+            + "\n".join(lines)
+            + f"\nMetrics: {base_url.removesuffix('/v1')}/metrics\n"
+            + example(base_url, model),
+        )
+    # One server stopping (Ctrl-C reaches whichever installed its handler last) stops them all.
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for server in servers:
+        server.should_exit = True
+    await asyncio.gather(*tasks, return_exceptions=True)

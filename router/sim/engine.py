@@ -1,0 +1,222 @@
+"""A continuous-batching scheduler in simulated time. No I/O and no clock: `step()` advances it.
+
+Each step, in the order vLLM's scheduler works:
+1. Admit waiting requests in arrival order while there is a sequence slot and their whole
+   KV reservation (prompt + max tokens + the profile's overhead) fits. The first that does
+   not fit blocks the ones behind it (FIFO), which is what makes the note's fast setup stall
+   at 23 requests.
+2. Every decoding sequence takes its tokens for the step (k+1 verified with speculation, else 1);
+   what is left of the step's token budget prefills admitted prompts, in chunks.
+3. The step lasts as long as the profile's cost model says for that work.
+4. Decoding sequences gain their tokens (with speculation: the accepted guesses plus one); a
+   sequence whose prefill completed gains its first token. Finished sequences free their KV.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+
+from router.content import ContentKind
+from router.sim.profile import Profile
+
+
+@dataclass(eq=False)
+class SimRequest:
+    id: str
+    prompt_tokens: int
+    max_tokens: int
+    target_tokens: int  # where it stops: max_tokens, or earlier at its natural end
+    kind: ContentKind
+    arrival: float = 0.0
+    prefilled: int = 0
+    generated: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    aborted: bool = False
+    rng: random.Random = field(default_factory=random.Random, repr=False)
+
+    @property
+    def reservation(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled >= self.prompt_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Emission:
+    request: SimRequest
+    tokens: int
+    finished: bool
+
+
+@dataclass
+class Counters:
+    """Cumulative engine counters, named after vLLM's metrics."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+
+
+class Engine:
+    def __init__(self, profile: Profile, *, seed: int = 0) -> None:
+        self.profile = profile
+        self.seed = seed
+        self.now = 0.0
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.reserved = 0
+        self.counters = Counters()
+        spec = profile.speculation
+        self._k = spec.num_tokens if spec else 0
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add(
+        self,
+        request_id: str,
+        *,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        kind: ContentKind,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+    ) -> SimRequest:
+        limit = max(1, min(max_tokens or self.profile.default_max_tokens, self.profile.max_model_len - prompt_tokens))
+        rng = random.Random(zlib.crc32(f"{self.seed}:{request_id}".encode()))
+        natural = rng.randint(96, 768)  # where a greedy answer would end by itself
+        target = limit if ignore_eos else max(min(natural, limit), min(min_tokens, limit))
+        request = SimRequest(request_id, prompt_tokens, limit, target, kind, arrival=self.now, rng=rng)
+        self.waiting.append(request)
+        return request
+
+    def abort(self, request: SimRequest) -> None:
+        """The client went away: drop the request and free its KV at once."""
+        if request.finished_at is not None or request.aborted:
+            return
+        request.aborted = True
+        self.counters.aborted += 1
+        if request in self.running:
+            self.running.remove(request)
+            self.reserved -= self._reservation(request)
+        else:
+            self.waiting.remove(request)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.reserved / self.profile.kv_cache_tokens
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[Emission]:
+        """Run one scheduler step; advance `now` by its duration and return what it produced."""
+        self._admit()
+        if not self.running:
+            return []
+        budget = self.profile.max_num_batched_tokens
+        decoding = [r for r in self.running if r.decoding]
+        per_sequence = self._k + 1
+        budget -= per_sequence * len(decoding)
+        prefill_tokens = starting = 0
+        completing: list[SimRequest] = []
+        for request in self.running:
+            if request.decoding or budget <= 0:
+                continue
+            starting += request.prefilled == 0
+            chunk = min(request.prompt_tokens - request.prefilled, budget)
+            request.prefilled += chunk
+            budget -= chunk
+            prefill_tokens += chunk
+            if request.decoding:
+                completing.append(request)
+
+        accepted_total = 0
+        gains: list[tuple[SimRequest, int]] = []
+        for request in decoding:
+            accepted = self._accepted(request)
+            accepted_total += accepted
+            gains.append((request, accepted + 1))
+        self.now += self._duration(decoding, prefill_tokens, starting, accepted_total)
+        self.counters.prompt_tokens += prefill_tokens
+
+        emissions = []
+        for request, gained in gains:
+            emissions.append(self._emit(request, gained))
+        for request in completing:
+            request.first_token_at = self.now
+            emissions.append(self._emit(request, 1))
+        return emissions
+
+    def _admit(self) -> None:
+        capacity = self.profile.kv_cache_tokens
+        while self.waiting and len(self.running) < self.profile.max_num_seqs:
+            request = self.waiting[0]
+            need = self._reservation(request)
+            if self.reserved + need > capacity:
+                return
+            self.waiting.popleft()
+            self.reserved += need
+            self.running.append(request)
+
+    def _reservation(self, request: SimRequest) -> int:
+        return request.reservation + self.profile.kv_overhead_tokens
+
+    def _accepted(self, request: SimRequest) -> int:
+        spec = self.profile.speculation
+        if spec is None:
+            return 0
+        rate = spec.acceptance[request.kind]
+        accepted = 0
+        while accepted < self._k and request.rng.random() < rate:
+            accepted += 1
+        self.counters.spec_drafts += 1
+        self.counters.spec_draft_tokens += self._k
+        self.counters.spec_accepted_tokens += accepted
+        return accepted
+
+    def _duration(self, decoding: list[SimRequest], prefill_tokens: int, starting: int, accepted: int) -> float:
+        cost = self.profile.step
+        decode_tokens = (self._k + 1) * len(decoding)
+        context = sum(r.prompt_tokens + r.generated for r in decoding)
+        tokens = decode_tokens + prefill_tokens
+        share = 1.0 - math.pow(1.0 - cost.expert_share_per_token, tokens)
+        seconds = (
+            cost.base_s
+            + cost.expert_s * share
+            + cost.token_s * decode_tokens
+            + cost.sequence_s * len(decoding)
+            + cost.context_s * context
+            + cost.prefill_token_s * prefill_tokens
+            + cost.prefill_request_s * starting
+        )
+        spec = self.profile.speculation
+        if spec is not None and decoding:
+            seconds += spec.draft_s * self._k + spec.draft_token_s * self._k * len(decoding)
+            seconds += spec.accepted_token_s * accepted
+        return seconds
+
+    def _emit(self, request: SimRequest, gained: int) -> Emission:
+        gained = min(gained, request.target_tokens - request.generated)
+        request.generated += gained
+        self.counters.generation_tokens += gained
+        finished = request.generated >= request.target_tokens
+        if finished:
+            request.finished_at = self.now
+            self.running.remove(request)
+            self.reserved -= self._reservation(request)
+            self.counters.finished += 1
+        return Emission(request, gained, finished)

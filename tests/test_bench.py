@@ -1,0 +1,90 @@
+"""`specroute bench` against real simulated servers: the measurement, the files, the direction."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from router.bench.load import Target
+from router.bench.report import sweep_data
+from router.bench.scenarios import sweep
+from router.cli import main
+from router.sim.fit import fit_profile
+from router.sim.profile import load_profile
+from router.sim.replay import replay_round
+from router.sim.server import create_sim_app
+from tests.servers import ServerThread
+
+SCALE = 10
+
+
+def test_sweep_measures_delivered_tokens_and_fits_a_profile() -> None:
+    team = load_profile("team")
+    with ServerThread(create_sim_app(team, time_scale=SCALE)) as engine:
+        target = Target(base_url=engine.url + "/v1", model=team.model, time_scale=SCALE)
+        rounds = asyncio.run(sweep(target, [1, 4, 16], max_tokens=96, pause=0.1))
+    assert [r.users for r in rounds] == [1, 4, 16]
+    for r in rounds:
+        assert r.summary.errors == 0
+        assert r.summary.tokens == 96 * r.users  # fixed-length answers, counted from usage
+    one, four, sixteen = (r.summary for r in rounds)
+    assert one.per_user_tps and four.per_user_tps and sixteen.per_user_tps
+    assert one.per_user_tps > sixteen.per_user_tps  # more users, slower each
+    assert sixteen.total_tps > one.total_tps  # ...but more in total
+
+    # `specroute sim fit` recovers a profile that predicts what was measured.
+    fitted = fit_profile(sweep_data(rounds, {"kind": "prose", "answer_tokens": 96}), team, name="mine")
+    assert fitted.name == "mine" and fitted.speculation is None
+    for r in rounds:
+        predicted = replay_round(fitted, r.users, "prose", answer_tokens=96).per_user_tps
+        assert r.summary.per_user_tps is not None
+        assert predicted == pytest.approx(r.summary.per_user_tps, rel=0.35)
+
+
+def test_sim_fit_command_writes_a_loadable_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sweep_file = tmp_path / "sweep.json"
+    sweep_file.write_text(
+        json.dumps(
+            {
+                "kind": "prose",
+                "answer_tokens": 512,
+                "prompt_tokens": 45,
+                "rounds": [
+                    {"users": 1, "per_user_tps": 40.0, "median_ttft": 0.1},
+                    {"users": 4, "per_user_tps": 30.0, "median_ttft": 0.2},
+                    {"users": 32, "per_user_tps": 12.0, "median_ttft": 0.8},
+                ],
+            }
+        )
+    )
+    out = tmp_path / "mine.yaml"
+    assert main(["sim", "fit", str(sweep_file), "--base", "team", "--name", "mine", "--out", str(out)]) == 0
+    profile = load_profile(out)
+    assert profile.name == "mine"
+    speeds = [replay_round(profile, users, "prose").per_user_tps for users in (1, 4, 32)]
+    assert speeds == sorted(speeds, reverse=True)
+    assert speeds[0] == pytest.approx(40, rel=0.2)
+    assert "measured tok/s" in capsys.readouterr().out
+
+
+def test_compare_mixed_routed_beats_both_single_layouts(tmp_path: Path) -> None:
+    """Direction only: the full figures live in docs/benchmarks.md, not in a timed test."""
+    code = main(
+        ["bench", "compare", "--scenario", "mixed", "--interactive", "2", "--batch", "60", "--duration", "40",
+         "--think", "2", "--max-tokens", "64", "--time-scale", str(SCALE), "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 0
+    for name in ("report.md", "mixed.json", "mixed.csv", "mixed.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    layouts = json.loads((tmp_path / "mixed.json").read_text())["layouts"]
+    routed, spec, std = (layouts[n]["interactive"] for n in ("routed", "all-speculative", "all-standard"))
+    assert routed["errors"] == spec["errors"] == std["errors"] == 0
+    assert routed["per_user_tps"] > spec["per_user_tps"]
+    assert routed["per_user_tps"] > std["per_user_tps"]
+    assert routed["ttft_worst"] < spec["ttft_worst"]
+    assert routed["ttft_worst"] < std["ttft_worst"]
+    # The batch job was recognised by its behaviour alone: most of it ran on the standard pool.
+    assert layouts["routed"]["batch"]["requests"] > 60
