@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -21,25 +20,22 @@ from router.metrics import Metrics
 from router.models import ModelCatalog
 from router.pools import Clients, Pools
 from router.proxy import Proxy
+from router.upstream import UpstreamPool
 
 
 def create_app(settings: Settings, *, registry: CollectorRegistry | None = None) -> Starlette:
     pools = Pools(settings)
     metrics = Metrics(registry if registry is not None else CollectorRegistry(), pools)
-    # One connection pool for every backend, sized to what the backends may take at once.
-    capacity = sum(backend.max_concurrency for backend in pools.backends())
-    http = httpx.AsyncClient(
-        timeout=httpx.Timeout(
-            connect=settings.timeouts.connect,
-            read=settings.timeouts.read,
-            write=settings.timeouts.write,
-            pool=settings.timeouts.connect,
-        ),
-        limits=httpx.Limits(max_connections=capacity + 16, max_keepalive_connections=capacity),
+    # One connection pool for every backend; it keeps as many idle connections per backend as
+    # the router may send it requests at once.
+    upstream = UpstreamPool(
+        connect_timeout=settings.timeouts.connect,
+        read_timeout=settings.timeouts.read,
+        max_idle_per_origin=max(backend.max_concurrency for backend in pools.backends()),
     )
-    proxy = Proxy(settings, pools=pools, clients=Clients(), metrics=metrics, http=http)
-    catalog = ModelCatalog(pools, http, ttl=settings.models_cache_seconds, timeout=settings.health.timeout)
-    health = HealthChecker(pools, http, settings.health)
+    proxy = Proxy(settings, pools=pools, clients=Clients(), metrics=metrics, upstream=upstream)
+    catalog = ModelCatalog(pools, upstream, ttl=settings.models_cache_seconds, timeout=settings.health.timeout)
+    health = HealthChecker(pools, upstream, settings.health)
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -63,7 +59,7 @@ def create_app(settings: Settings, *, registry: CollectorRegistry | None = None)
             yield
         finally:
             checks.cancel()
-            await http.aclose()
+            await upstream.aclose()
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -94,4 +90,5 @@ def create_app(settings: Settings, *, registry: CollectorRegistry | None = None)
     )
     app.state.pools = pools
     app.state.metrics = metrics
+    app.state.upstream = upstream
     return app

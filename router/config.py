@@ -102,7 +102,6 @@ class Timeouts(_Model):
     connect: float = Field(default=5.0, gt=0)
     # Longest silence from the upstream: before the response starts and between chunks.
     read: float = Field(default=600.0, gt=0)
-    write: float = Field(default=30.0, gt=0)
     # Longest time a client may take to send its request body.
     client_body: float = Field(default=30.0, gt=0)
 

@@ -34,7 +34,7 @@ def request_headers(
     request_id: str,
     api_key: str | None,
     forward_authorization: bool,
-) -> dict[str, str]:
+) -> list[tuple[bytes, bytes]]:
     """Headers for the upstream request, from the client's (lower-cased) headers."""
     skip = HOP_BY_HOP | _SET_BY_PROXY | drop | _connection_tokens(client.get("connection"))
     headers = {name: value for name, value in client.items() if name not in skip}
@@ -45,7 +45,7 @@ def request_headers(
         headers["authorization"] = f"Bearer {api_key}"
     elif forward_authorization and "authorization" in client:
         headers["authorization"] = client["authorization"]
-    return headers
+    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
 
 
 def response_headers(upstream: Iterable[tuple[bytes, bytes]], route: Mapping[str, str]) -> list[tuple[bytes, bytes]]:

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
-
 from router.config import Health
 from router.pools import Backend, Pools
+from router.upstream import TransportError, UpstreamPool
 
 
 class HealthChecker:
-    def __init__(self, pools: Pools, http: httpx.AsyncClient, config: Health) -> None:
+    def __init__(self, pools: Pools, upstream: UpstreamPool, config: Health) -> None:
         self._pools = pools
-        self._http = http
+        self._upstream = upstream
         self._config = config
 
     async def run(self) -> None:
@@ -28,7 +27,8 @@ class HealthChecker:
 
     async def _check(self, backend: Backend) -> None:
         try:
-            response = await self._http.get(backend.url + "/health", timeout=self._config.timeout)
-            backend.healthy = response.status_code == 200
-        except httpx.HTTPError:
+            async with asyncio.timeout(self._config.timeout):
+                status, _ = await self._upstream.get(backend.url + "/health")
+            backend.healthy = status == 200
+        except (TransportError, TimeoutError):
             backend.healthy = False

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
-import httpx
-
 from router.pools import Backend, Pools
+from router.upstream import TransportError, UpstreamPool
 
 
 class ModelCatalog:
-    def __init__(self, pools: Pools, http: httpx.AsyncClient, *, ttl: float, timeout: float) -> None:
+    def __init__(self, pools: Pools, upstream: UpstreamPool, *, ttl: float, timeout: float) -> None:
         self._pools = pools
-        self._http = http
+        self._upstream = upstream
         self._ttl = ttl
         self._timeout = timeout
         self._cached: list[dict[str, Any]] | None = None
@@ -37,10 +37,11 @@ class ModelCatalog:
         return list(seen.values())
 
     async def _list(self, backend: Backend) -> list[dict[str, Any]]:
-        headers = {"authorization": f"Bearer {backend.api_key}"} if backend.api_key else {}
+        headers = [(b"authorization", f"Bearer {backend.api_key}".encode())] if backend.api_key else []
         try:
-            response = await self._http.get(backend.url + "/v1/models", headers=headers, timeout=self._timeout)
-            data = response.json().get("data", []) if response.status_code == 200 else []
-        except (httpx.HTTPError, ValueError, AttributeError):
+            async with asyncio.timeout(self._timeout):
+                status, body = await self._upstream.get(backend.url + "/v1/models", headers=headers)
+            data = json.loads(body).get("data", []) if status == 200 else []
+        except (TransportError, TimeoutError, ValueError, AttributeError):
             return []  # an unreachable backend contributes nothing; /readyz reports it
         return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

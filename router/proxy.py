@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
-import httpx
 from starlette.types import Receive, Scope, Send
 
 from router import sse
@@ -36,6 +35,7 @@ from router.headers import request_headers, response_headers
 from router.metrics import Metrics
 from router.policy import Decision, StaticPolicy
 from router.pools import Backend, Clients, Pools
+from router.upstream import ConnectError, ReadTimeout, TransportError, UpstreamPool, UpstreamResponse
 
 access_log = logging.getLogger("specroute.access")
 T = TypeVar("T")
@@ -71,13 +71,13 @@ class Proxy:
         pools: Pools,
         clients: Clients,
         metrics: Metrics,
-        http: httpx.AsyncClient,
+        upstream: UpstreamPool,
     ) -> None:
         self._settings = settings
         self._pools = pools
         self._clients = clients
         self._metrics = metrics
-        self._http = http
+        self._upstream = upstream
         self._classifier = Classifier(
             settings.classify,
             pool_header=settings.headers.pool,
@@ -237,57 +237,57 @@ class Proxy:
             api_key=backend.api_key,
             forward_authorization=self._settings.forward_client_authorization,
         )
-        request = self._http.build_request("POST", url, headers=upstream_headers, content=body)
         try:
-            response = await self._http.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            response = await self._upstream.request(url, headers=upstream_headers, body=body)
+        except TransportError as exc:
             raise self._upstream_failure(backend, exc) from exc
         try:
             outcome.status = response.status_code
             if response.status_code >= 500:
                 self._metrics.upstream_errors.labels(backend.pool, backend.name, "http_5xx").inc()
-            if streaming and response.headers.get("content-type", "").startswith("text/event-stream"):
+            content_type = response.header(b"content-type") or b""
+            if streaming and content_type.startswith(b"text/event-stream"):
                 await self._relay_stream(send, response, drop_usage_chunk, outcome)
             else:
-                await self._relay_whole(send, response, outcome)
+                await self._relay_whole(send, response, content_type, outcome)
         finally:
             await response.aclose()
 
-    async def _relay_whole(self, send: Send, response: httpx.Response, outcome: Outcome) -> None:
+    async def _relay_whole(self, send: Send, response: UpstreamResponse, content_type: bytes, outcome: Outcome) -> None:
         try:
-            content = await response.aread()
-        except httpx.HTTPError as exc:
+            content = await response.read()
+        except TransportError as exc:
             assert outcome.backend is not None
             raise self._upstream_failure(outcome.backend, exc) from exc
-        if response.status_code < 400 and response.headers.get("content-type", "").startswith("application/json"):
+        if response.status_code < 400 and content_type.startswith(b"application/json"):
             try:
                 usage = json.loads(content).get("usage")
             except (ValueError, AttributeError):
                 usage = None
             outcome.tokens = sse.completion_tokens(usage)
             outcome.prompt_tokens = sse.prompt_tokens(usage)
-        headers = response_headers(response.headers.raw, self._route_headers(outcome))
+        headers = response_headers(response.headers, self._route_headers(outcome))
         headers.append((b"content-length", str(len(content)).encode()))
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": content})
 
     async def _relay_stream(
-        self, send: Send, response: httpx.Response, drop_usage_chunk: bool, outcome: Outcome
+        self, send: Send, response: UpstreamResponse, drop_usage_chunk: bool, outcome: Outcome
     ) -> None:
         watch = sse.StreamWatch(drop_usage_chunk=drop_usage_chunk)
-        headers = response_headers(response.headers.raw, self._route_headers(outcome))
+        headers = response_headers(response.headers, self._route_headers(outcome))
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
         # From here on a byte has gone to the client: nothing may be retried, failures end the
         # stream with an error event.
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in response.iter_raw():
                 out = watch.feed(chunk)
                 if watch.saw_content and outcome.ttft is None:
                     outcome.ttft = time.perf_counter() - outcome.started
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             tail = watch.flush()
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             assert outcome.backend is not None
             error = self._upstream_failure(outcome.backend, exc)
             outcome.status = error.status_code
@@ -296,14 +296,14 @@ class Proxy:
         outcome.prompt_tokens = sse.prompt_tokens(watch.usage)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
-    def _upstream_failure(self, backend: Backend, exc: httpx.HTTPError) -> UpstreamError:
-        """The one place where httpx's exceptions become the router's."""
+    def _upstream_failure(self, backend: Backend, exc: TransportError) -> UpstreamError:
+        """The one place where the transport's exceptions become the router's."""
         error: UpstreamError
-        if isinstance(exc, httpx.ConnectError):
+        if isinstance(exc, ConnectError):
             kind = "connect"
             error = UpstreamError(f"backend {backend.name!r} is unreachable", code="upstream_unreachable")
             backend.healthy = False  # the health checker readmits it
-        elif isinstance(exc, httpx.TimeoutException):
+        elif isinstance(exc, ReadTimeout):
             kind = "timeout"
             error = UpstreamTimeout(f"backend {backend.name!r} timed out", code="upstream_timeout")
         else:
