@@ -16,16 +16,21 @@ from starlette.routing import Route
 from router.config import Settings
 from router.errors import MethodNotAllowed, NotFound, RouterError
 from router.health import HealthChecker
+from router.learn import SpeedModel
 from router.metrics import Metrics
 from router.models import ModelCatalog
 from router.pools import Clients, Pools
 from router.proxy import Proxy
+from router.scrape import EngineScraper
+from router.status import status
 from router.upstream import UpstreamPool
 
 
 def create_app(settings: Settings, *, registry: CollectorRegistry | None = None) -> Starlette:
     pools = Pools(settings)
-    metrics = Metrics(registry if registry is not None else CollectorRegistry(), pools)
+    speeds = SpeedModel()
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = Metrics(registry, pools, speeds, stale_after=settings.scrape.stale_after)
     # One connection pool for every backend; it keeps as many idle connections per backend as
     # the router may send it requests at once.
     upstream = UpstreamPool(
@@ -33,9 +38,11 @@ def create_app(settings: Settings, *, registry: CollectorRegistry | None = None)
         read_timeout=settings.timeouts.read,
         max_idle_per_origin=max(backend.max_concurrency for backend in pools.backends()),
     )
-    proxy = Proxy(settings, pools=pools, clients=Clients(), metrics=metrics, upstream=upstream)
+    clients = Clients(memory=settings.classify.client_memory_seconds)
+    proxy = Proxy(settings, pools=pools, clients=clients, speeds=speeds, metrics=metrics, upstream=upstream)
     catalog = ModelCatalog(pools, upstream, ttl=settings.models_cache_seconds, timeout=settings.health.timeout)
     health = HealthChecker(pools, upstream, settings.health)
+    scraper = EngineScraper(pools, upstream, interval=settings.scrape.interval, timeout=settings.scrape.timeout)
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -51,14 +58,18 @@ def create_app(settings: Settings, *, registry: CollectorRegistry | None = None)
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": await catalog.models()})
 
+    async def router_status(request: Request) -> Response:
+        return JSONResponse(status(settings, pools, speeds))
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await health.check_all()
-        checks = asyncio.create_task(health.run())
+        tasks = [asyncio.create_task(health.run()), asyncio.create_task(scraper.run())]
         try:
             yield
         finally:
-            checks.cancel()
+            for task in tasks:
+                task.cancel()
             await upstream.aclose()
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -83,6 +94,7 @@ def create_app(settings: Settings, *, registry: CollectorRegistry | None = None)
             Route("/readyz", readyz),
             Route("/metrics", prometheus),
             Route("/v1/models", models),
+            Route("/router/status", router_status),
             Route("/v1/{path:path}", proxy, methods=["POST"]),
         ],
         exception_handlers={HTTPException: http_error, RouterError: router_error},

@@ -26,7 +26,8 @@ class RequestFacts:
     user: str | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
     n: int = 1
-    client_in_flight: int = 0  # this client's requests in flight before this one
+    # This client's requests in flight before this one, or its recent peak if that is higher.
+    client_load: float = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,7 @@ class Classifier:
             if _matches(rule.match, facts):
                 return _from_rule(rule, pinned)
 
-        if facts.client_in_flight >= self._threshold:
+        if facts.client_load >= self._threshold:
             return Classification("batch", "client-in-flight", pinned)
         if facts.n > 1:
             return Classification("batch", "n>1", pinned)

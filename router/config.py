@@ -22,6 +22,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from router.content import ContentKind
+
 JobClass = Literal["interactive", "batch"]
 
 CONFIG_ENV = "SPECROUTE_CONFIG"
@@ -88,14 +90,35 @@ class Rule(_Model):
 
 class Classify(_Model):
     rules: list[Rule] = []
-    # A client with more than this many requests in flight is treated as a batch job.
+    # A client with this many requests in flight (before the new one) is treated as a batch job.
     batch_inflight_threshold: int = Field(default=4, ge=1)
+    # ...and is remembered: its peak in flight counts, halving every this many seconds (0: off).
+    client_memory_seconds: float = Field(default=60.0, ge=0)
+    # Text that marks a request as code, besides code fences, code-like tokens and tool definitions.
+    code_hints: list[str] = []
 
 
 class Routing(_Model):
     # Where each job class goes; by default the first speculative and the first standard pool.
     interactive_pool: str | None = None
     batch_pool: str | None = None
+    # static: interactive to the speculative pool, always. crossover: spill past the crossover
+    # concurrency. adaptive: to the pool with the higher learned per-user speed.
+    mode: Literal["static", "crossover", "adaptive"] = "adaptive"
+    # Concurrency on a speculative backend past which it stops being the faster place (the note:
+    # about 4 for prose; code, which is guessed well, later).
+    crossover: dict[ContentKind, int] = {"prose": 4, "code": 16}
+    # Spill when a speculative engine's KV cache is at least this full: the next request would wait.
+    kv_threshold: float = Field(default=0.9, gt=0, le=1)
+    # Let batch work use the speculative pool's idle room when the standard pool is down or full.
+    batch_may_use_speculative: bool = False
+
+
+class Scrape(_Model):
+    # Engines' /metrics are read this often; a reading older than stale_after is not used.
+    interval: float = Field(default=1.0, gt=0)
+    timeout: float = Field(default=0.5, gt=0)
+    stale_after: float = Field(default=5.0, gt=0)
 
 
 class Timeouts(_Model):
@@ -121,6 +144,7 @@ class Settings(BaseSettings):
     routing: Routing = Routing()
     timeouts: Timeouts = Timeouts()
     health: Health = Health()
+    scrape: Scrape = Scrape()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     models_cache_seconds: float = Field(default=5.0, ge=0)
     # Pass the client's Authorization header upstream when the backend has no key of its own.
@@ -144,6 +168,8 @@ class Settings(BaseSettings):
             name = getattr(self.routing, field)
             if name is not None and name not in self.pools:
                 raise ValueError(f"routing.{field}: no pool named {name!r}")
+        if set(self.routing.crossover) != {"prose", "code"}:
+            raise ValueError("routing.crossover: give both prose and code")
         backends = [b for pool in self.pools.values() for b in pool.backends]
         if len(backends) != len(set(backends)):
             raise ValueError("backend names must be unique across pools")

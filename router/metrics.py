@@ -6,6 +6,7 @@ queued, healthy) are read from the pools at scrape time, so they can never drift
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -13,6 +14,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.classify import JOB_CLASSES
+from router.content import ContentKind
+from router.learn import SpeedModel, crossover
 from router.pools import Pools
 
 # First tokens range from tens of milliseconds (idle speculative engine) to minutes (the
@@ -23,7 +26,7 @@ QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry, pools: Pools) -> None:
+    def __init__(self, registry: CollectorRegistry, pools: Pools, speeds: SpeedModel, *, stale_after: float) -> None:
         self.registry = registry
         self.requests = Counter(
             "specroute_requests",
@@ -72,42 +75,77 @@ class Metrics:
         )
         self.decisions = Counter(
             "specroute_route_decisions",
-            "Routing decisions by job class, pool and reason.",
-            ["job", "pool", "reason"],
+            "Routing decisions by job class, pool, reason and content kind.",
+            ["job", "pool", "reason", "content"],
             registry=registry,
         )
-        registry.register(_LiveState(pools))
+        registry.register(_LiveState(pools, speeds, stale_after))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _LiveState(Collector):
-    def __init__(self, pools: Pools) -> None:
+    def __init__(self, pools: Pools, speeds: SpeedModel, stale_after: float) -> None:
         self._pools = pools
+        self._speeds = speeds
+        self._stale_after = stale_after
 
     def collect(self) -> Iterable[Metric]:
-        in_flight = GaugeMetricFamily(
-            "specroute_in_flight_requests",
-            "Requests sent to a backend and not yet finished.",
-            labels=["pool", "backend"],
-        )
-        healthy = GaugeMetricFamily(
-            "specroute_backend_healthy",
-            "1 if the backend passed its last health check, else 0.",
-            labels=["pool", "backend"],
-        )
+        labels = ["pool", "backend"]
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=[*labels, *extra])
+
+        in_flight = gauge("specroute_in_flight_requests", "Requests sent to a backend and not yet finished.")
+        healthy = gauge("specroute_backend_healthy", "1 if the backend passed its last health check, else 0.")
         queued = GaugeMetricFamily(
             "specroute_queued_requests",
             "Requests waiting in the router's queue of a pool for a backend slot.",
             labels=["pool", "job"],
         )
+        running = gauge("specroute_engine_running_requests", "Requests the engine reports running (scraped).")
+        waiting = gauge("specroute_engine_waiting_requests", "Requests waiting inside the engine (scraped).")
+        kv = gauge("specroute_engine_kv_cache_usage_ratio", "KV cache in use, 0 to 1, as the engine reports.")
+        acceptance = gauge(
+            "specroute_engine_spec_acceptance_ratio", "Accepted / drafted speculative tokens over the last scrape."
+        )
+        accept_length = gauge(
+            "specroute_engine_spec_accept_length", "Tokens a sequence gains per step with speculation."
+        )
+        stale = gauge("specroute_engine_scrape_stale", "1 if the engine's metrics are too old to use.")
+        learned = gauge(
+            "specroute_learned_crossover",
+            "Concurrency from which this speculative backend is predicted slower than the standard pool.",
+            ("content",),
+        )
+        now = time.monotonic()
+        standard = [b.name for pool in self._pools if not pool.speculative for b in pool.backends]
+        kinds: tuple[ContentKind, ...] = ("prose", "code")
         for pool in self._pools:
             for backend in pool.backends:
-                in_flight.add_metric([pool.name, backend.name], backend.in_flight)
-                healthy.add_metric([pool.name, backend.name], float(backend.healthy))
+                key = [pool.name, backend.name]
+                in_flight.add_metric(key, backend.in_flight)
+                healthy.add_metric(key, float(backend.healthy))
+                if pool.speculative:
+                    for kind in kinds:
+                        level = crossover(self._speeds, backend.name, standard, kind)
+                        if level is not None:
+                            learned.add_metric([*key, kind], level)
+                engine = backend.engine
+                fresh = engine.fresh(now, self._stale_after)
+                stale.add_metric(key, float(not fresh))
+                if not fresh:
+                    continue
+                for family, value in (
+                    (running, engine.running),
+                    (waiting, engine.waiting),
+                    (kv, engine.kv_usage),
+                    (acceptance, engine.acceptance),
+                    (accept_length, engine.accept_length),
+                ):
+                    if value is not None:
+                        family.add_metric(key, value)
             for job in JOB_CLASSES:
                 queued.add_metric([pool.name, job], pool.queued(job))
-        yield in_flight
-        yield healthy
-        yield queued
+        yield from (in_flight, healthy, queued, running, waiting, kv, acceptance, accept_length, stale, learned)

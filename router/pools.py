@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import deque
 from collections.abc import Iterator
 
 from router.config import Backend as BackendConfig
 from router.config import JobClass, Settings
+from router.content import ContentKind
 from router.errors import NoBackendAvailable
+from router.learn import SpeedModel
+from router.policy import PoolState
+from router.scrape import EngineLoad
 
 _EWMA = 0.2  # weight of the newest request duration in the pool's running mean
 
@@ -29,7 +34,18 @@ class Backend:
         self.max_concurrency = config.max_concurrency
         self.in_flight = 0
         self.healthy = True
+        self.engine = EngineLoad()  # the latest scrape of its /metrics
         self.recent_ttft: deque[float] = deque(maxlen=256)
+
+    def concurrency(self, now: float, stale_after: float) -> int:
+        """Requests on the engine: the router's own, or what the engine reports if that is more.
+
+        The engine's figure includes other clients and other routers, but lags by a scrape.
+        """
+        engine = self.engine
+        if engine.fresh(now, stale_after) and engine.running is not None:
+            return max(self.in_flight, round(engine.running + (engine.waiting or 0)))
+        return self.in_flight
 
     @property
     def load(self) -> float:
@@ -166,18 +182,63 @@ class Pools:
         for pool in self:
             yield from pool.backends
 
+    def snapshot(self, speeds: SpeedModel, *, stale_after: float) -> dict[str, PoolState]:
+        """The live state of every pool, as the policy sees it."""
+        now = time.monotonic()
+        states = {}
+        for pool in self:
+            healthy = [b for b in pool.backends if b.healthy]
+            fresh = [b.engine for b in healthy if b.engine.fresh(now, stale_after)]
+            if not healthy:
+                states[pool.name] = PoolState(pool.speculative, healthy=False)
+                continue
+            best = min(healthy, key=lambda b: (b.concurrency(now, stale_after) / b.max_concurrency, b.name))
+            concurrency = best.concurrency(now, stale_after)
+            gain = best.engine.accept_length if best.engine.fresh(now, stale_after) else None
+            kinds: tuple[ContentKind, ...] = ("prose", "code")
+            states[pool.name] = PoolState(
+                speculative=pool.speculative,
+                concurrency=concurrency,
+                has_room=not pool.queued() and any(b.has_room for b in healthy),
+                engine_waiting=sum(e.waiting or 0 for e in fresh),
+                kv_usage=max((e.kv_usage for e in fresh if e.kv_usage is not None), default=None),
+                speed={
+                    kind: speeds.predict(best.name, kind, concurrency + 1, gain=gain, fallback=not pool.speculative)
+                    for kind in kinds
+                },
+            )
+        return states
+
 
 class Clients:
-    """Requests in flight per client, for the classifier's batch heuristic."""
+    """Requests in flight per client, and a fading memory of each client's recent peak.
 
-    def __init__(self) -> None:
+    A batch job that was running a hundred requests a moment ago is still a batch job when its
+    next burst begins: `load()` is the larger of what the client has in flight now and its past
+    peak, halved every `memory` seconds.
+    """
+
+    _PURGE_AT = 10_000  # forget faded clients once this many are remembered
+
+    def __init__(self, *, memory: float = 0.0) -> None:
+        self._memory = memory
         self._in_flight: dict[str, int] = {}
+        self._peaks: dict[str, tuple[float, float]] = {}  # client -> (peak, when)
 
     def __getitem__(self, client: str) -> int:
         return self._in_flight.get(client, 0)
 
-    def start(self, client: str) -> None:
-        self._in_flight[client] = self._in_flight.get(client, 0) + 1
+    def load(self, client: str, now: float | None = None) -> float:
+        return max(self[client], self._remembered(client, time.monotonic() if now is None else now))
+
+    def start(self, client: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        count = self._in_flight.get(client, 0) + 1
+        self._in_flight[client] = count
+        if self._memory and count >= self._remembered(client, now):
+            if len(self._peaks) >= self._PURGE_AT:
+                self._purge(now)
+            self._peaks[client] = (count, now)
 
     def finish(self, client: str) -> None:
         left = self._in_flight[client] - 1
@@ -185,3 +246,13 @@ class Clients:
             self._in_flight[client] = left
         else:
             del self._in_flight[client]
+
+    def _remembered(self, client: str, now: float) -> float:
+        if not self._memory or client not in self._peaks:
+            return 0.0
+        peak, when = self._peaks[client]
+        return float(peak * 0.5 ** ((now - when) / self._memory))
+
+    def _purge(self, now: float) -> None:
+        for client in [c for c in self._peaks if self._remembered(c, now) < 1 and c not in self._in_flight]:
+            del self._peaks[client]

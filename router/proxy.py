@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from router import sse
 from router.classify import Classifier, RequestFacts, client_id
 from router.config import Settings
+from router.content import ContentKind, detect_kind, request_text
 from router.errors import (
     BadRequest,
     PayloadTooLarge,
@@ -32,8 +33,9 @@ from router.errors import (
     UpstreamTimeout,
 )
 from router.headers import request_headers, response_headers
+from router.learn import SpeedModel
 from router.metrics import Metrics
-from router.policy import Decision, StaticPolicy
+from router.policy import Decision, Policy
 from router.pools import Backend, Clients, Pools
 from router.upstream import ConnectError, ReadTimeout, TransportError, UpstreamPool, UpstreamResponse
 
@@ -57,6 +59,7 @@ class Outcome:
     started: float = field(default_factory=time.perf_counter)
     decision: Decision | None = None
     backend: Backend | None = None
+    concurrency: int = 0  # requests on the backend when this one was sent, itself included
     status: int = 0
     ttft: float | None = None
     tokens: int | None = None
@@ -70,12 +73,14 @@ class Proxy:
         *,
         pools: Pools,
         clients: Clients,
+        speeds: SpeedModel,
         metrics: Metrics,
         upstream: UpstreamPool,
     ) -> None:
         self._settings = settings
         self._pools = pools
         self._clients = clients
+        self._speeds = speeds
         self._metrics = metrics
         self._upstream = upstream
         self._classifier = Classifier(
@@ -84,8 +89,13 @@ class Proxy:
             job_header=settings.headers.job,
             pools=set(settings.pools),
         )
-        self._policy = StaticPolicy(settings)
+        self._policy = Policy(
+            settings.routing,
+            interactive_pool=settings.pool_for("interactive"),
+            batch_pool=settings.pool_for("batch"),
+        )
         self._override_headers = frozenset({settings.headers.pool.lower(), settings.headers.job.lower()})
+        self._code_hints = tuple(settings.classify.code_hints)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -105,11 +115,12 @@ class Proxy:
                 user=user,
                 metadata=_field(payload, "metadata", dict) or {},
                 n=_field(payload, "n", int) or 1,
-                client_in_flight=self._clients[client],
+                client_load=self._clients.load(client),
             )
             classification = self._classifier.classify(facts)
-            outcome.decision = self._policy.decide(classification)
-            self._metrics.decisions.labels(outcome.decision.job, outcome.decision.pool, outcome.decision.reason).inc()
+            state = self._pools.snapshot(self._speeds, stale_after=self._settings.scrape.stale_after)
+            outcome.decision = decision = self._policy.decide(classification, self._content(payload), state)
+            self._metrics.decisions.labels(decision.job, decision.pool, decision.reason, decision.content).inc()
             if classification.rewrite_model is not None:
                 payload["model"] = classification.rewrite_model
                 body = b""  # re-encode below
@@ -124,6 +135,11 @@ class Proxy:
             if client is not None and outcome.decision is not None:
                 self._clients.finish(client)
             self._finish(outcome)
+
+    def _content(self, payload: dict[str, Any]) -> ContentKind:
+        if payload.get("tools") or payload.get("functions"):
+            return "code"  # tool calls are structured output, which a drafter guesses well
+        return detect_kind(request_text(payload), hints=self._code_hints)
 
     async def _read_body(self, headers: dict[str, str], receive: Receive) -> bytes:
         limit = self._settings.max_body_bytes
@@ -200,6 +216,7 @@ class Proxy:
         backend = await pool.acquire(outcome.decision.job)
         self._metrics.queue_wait.labels(pool.name, outcome.decision.job).observe(time.perf_counter() - queued_at)
         outcome.backend = backend
+        outcome.concurrency = backend.concurrency(time.monotonic(), self._settings.scrape.stale_after)
         try:
             await self._forward(scope, send, headers, body, payload, backend, outcome)
         finally:
@@ -312,6 +329,18 @@ class Proxy:
         self._metrics.upstream_errors.labels(backend.pool, backend.name, kind).inc()
         return error
 
+    def _learn(self, backend: Backend, outcome: Outcome, speed: float) -> None:
+        assert outcome.decision is not None
+        engine = backend.engine
+        fresh = engine.fresh(time.monotonic(), self._settings.scrape.stale_after)
+        self._speeds.observe(
+            backend.name,
+            outcome.decision.content,
+            concurrency=outcome.concurrency,
+            speed=speed,
+            gain=engine.accept_length if fresh else None,
+        )
+
     def _route_headers(self, outcome: Outcome) -> dict[str, str]:
         headers = {"x-request-id": outcome.request_id}
         if outcome.decision is not None:
@@ -336,6 +365,7 @@ class Proxy:
                 if outcome.ttft is not None and outcome.tokens > 1 and outcome.status < 400:
                     elapsed = time.perf_counter() - outcome.started - outcome.ttft
                     self._metrics.tpot.labels(pool, name).observe(elapsed / (outcome.tokens - 1))
+                    self._learn(backend, outcome, (outcome.tokens - 1) / elapsed)
             if outcome.prompt_tokens:
                 self._metrics.prompt_tokens.labels(pool, name).inc(outcome.prompt_tokens)
         if access_log.isEnabledFor(logging.INFO):

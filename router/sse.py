@@ -2,7 +2,8 @@
 
 The bytes are forwarded as they arrive, cut only at event boundaries, and are looked into
 only as far as needed: each event until the first one that carries generated content (that
-is the time to first token), then only events that mention `"usage"` (the token counts).
+is the time to first token), then only events that mention `"usage"` (the token counts) or
+`"error"`. The benchmark's load generator reads streams with the same watcher.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ class StreamWatch:
         self._partial = b""
         self.saw_content = False
         self.usage: dict[str, Any] | None = None
+        self.error: str | None = None  # the message of an in-stream error event, if one came
 
     def feed(self, chunk: bytes) -> bytes:
         """Take bytes from upstream; return the bytes to send on to the client now."""
-        if self.saw_content and not self._partial and b'"usage"' not in chunk and chunk.endswith(b"\n\n"):
+        if self.saw_content and not self._partial and chunk.endswith(b"\n\n") and not _notable(chunk):
             return chunk  # the common case once streaming: whole events, nothing to look at
         data = self._partial + chunk
         end = _last_boundary(data)
@@ -32,7 +34,7 @@ class StreamWatch:
             return b""
         self._partial = data[end:]
         complete = data[:end]
-        if self.saw_content and b'"usage"' not in complete:
+        if self.saw_content and not _notable(complete):
             return complete
         return b"".join(self._inspect(event) for event in _events(complete))
 
@@ -42,13 +44,15 @@ class StreamWatch:
         return self._inspect(rest) if rest else b""
 
     def _inspect(self, event: bytes) -> bytes:
-        if self.saw_content and b'"usage"' not in event:
+        if self.saw_content and not _notable(event):
             return event
         payload = _json_payload(event)
         if payload is None:
             return event
         if not self.saw_content and _has_content(payload):
             self.saw_content = True
+        if isinstance(payload.get("error"), dict):
+            self.error = str(payload["error"].get("message", "error"))
         usage = payload.get("usage") or _nested_usage(payload)
         if isinstance(usage, dict):
             self.usage = usage
@@ -73,6 +77,11 @@ def prompt_tokens(usage: dict[str, Any] | None) -> int | None:
         return None
     value = usage.get("prompt_tokens", usage.get("input_tokens"))
     return value if isinstance(value, int) else None
+
+
+def _notable(data: bytes) -> bool:
+    """Whether bytes after the first content may hold something to read: usage or an error."""
+    return b'"usage"' in data or b'"error"' in data
 
 
 def _last_boundary(data: bytes) -> int:

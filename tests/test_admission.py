@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 
 POOLS = {"fast": {"queue_size": 1, "queue_timeout": 0.5, "backends": {"fast-1": {"max_concurrency": 1}}}}
+STATIC = {"mode": "static"}  # the queue itself is under test: no spilling to the other pool
 
 
 def _post(url: str) -> httpx.Response:
@@ -15,7 +16,7 @@ def _post(url: str) -> httpx.Response:
 
 
 def test_full_queue_and_queue_timeout_answer_503_with_retry_after(make_cluster: Any) -> None:
-    with make_cluster(pools=POOLS) as cluster:
+    with make_cluster(pools=POOLS, routing=STATIC) as cluster:
         cluster.fast.first_token_delay = 1.5
         url = cluster.base_url + "/completions"
         with ThreadPoolExecutor(3) as executor:
@@ -38,7 +39,7 @@ def test_full_queue_and_queue_timeout_answer_503_with_retry_after(make_cluster: 
 
 def test_queued_request_is_served_when_a_slot_frees(make_cluster: Any) -> None:
     pools = {"fast": {"queue_size": 4, "queue_timeout": 5, "backends": {"fast-1": {"max_concurrency": 1}}}}
-    with make_cluster(pools=pools) as cluster:
+    with make_cluster(pools=pools, routing=STATIC) as cluster:
         cluster.fast.first_token_delay = 0.3
         with ThreadPoolExecutor(3) as executor:
             results = list(executor.map(_post, [cluster.base_url + "/completions"] * 3))

@@ -58,12 +58,12 @@ def _classifier(**config: Any) -> Classifier:
         # Every field of a rule must match; the first matching rule wins, before heuristics.
         (RequestFacts(headers={"x-client": "ide"}, model="other"), Classification("interactive", "default")),
         (
-            RequestFacts(headers={"x-client": "ide"}, model="glm", client_in_flight=10),
+            RequestFacts(headers={"x-client": "ide"}, model="glm", client_load=10),
             Classification("interactive", "rule:ide"),
         ),
         (RequestFacts(headers={}, n=2), Classification("batch", "n>1")),
-        (RequestFacts(headers={}, client_in_flight=3), Classification("interactive", "default")),
-        (RequestFacts(headers={}, client_in_flight=4), Classification("batch", "client-in-flight")),
+        (RequestFacts(headers={}, client_load=3), Classification("interactive", "default")),
+        (RequestFacts(headers={}, client_load=4), Classification("batch", "client-in-flight")),
     ],
 )
 def test_classification_table(facts: RequestFacts, expected: Classification) -> None:
@@ -87,7 +87,7 @@ def test_bad_override_headers_are_rejected(headers: dict[str, str], code: str) -
 
 def test_threshold_is_configurable() -> None:
     classifier = _classifier(batch_inflight_threshold=1)
-    assert classifier.classify(RequestFacts(headers={}, client_in_flight=1)).job == "batch"
+    assert classifier.classify(RequestFacts(headers={}, client_load=1)).job == "batch"
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,7 @@ def test_disconnect_while_waiting_for_whole_response(cluster: Cluster) -> None:
 
 def test_disconnect_while_queued_leaves_the_queue(make_cluster: Any) -> None:
     pools = {"fast": {"queue_size": 4, "backends": {"fast-1": {"max_concurrency": 1}}}}
-    with make_cluster(pools=pools) as cluster:
+    with make_cluster(pools=pools, routing={"mode": "static"}) as cluster:
         cluster.fast.first_token_delay = 1.0
         holder = threading.Thread(
             target=httpx.post,

@@ -117,11 +117,15 @@ def test_wrong_method_is_405(cluster: Cluster) -> None:
     _nothing_forwarded(cluster)
 
 
+def _dead_url(placeholder: socket.socket) -> str:
+    placeholder.bind(("127.0.0.1", 0))
+    return f"http://127.0.0.1:{placeholder.getsockname()[1]}"  # bound, never listening
+
+
 def test_unreachable_backend_is_502_then_503(make_cluster: Any) -> None:
     with socket.socket() as placeholder:
-        placeholder.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{placeholder.getsockname()[1]}"  # bound, never listening
-        with make_cluster(pools={"fast": {"backends": {"fast-1": {"url": dead}}}}) as cluster:
+        dead = {"fast": {"backends": {"fast-1": {"url": _dead_url(placeholder)}}}}
+        with make_cluster(pools=dead, routing={"mode": "static"}) as cluster:
             # The startup health check found it down: fail fast, with a hint when to retry.
             response = httpx.post(cluster.base_url + "/completions", json={"model": "test-model"})
             _assert_openai_error(response, 503, "pool_unavailable")
@@ -137,3 +141,13 @@ def test_unreachable_backend_is_502_then_503(make_cluster: Any) -> None:
                 )
                 == 1
             )
+
+
+def test_interactive_work_spills_off_a_dead_speculative_pool(make_cluster: Any) -> None:
+    with socket.socket() as placeholder:
+        dead = {"fast": {"backends": {"fast-1": {"url": _dead_url(placeholder)}}}}
+        with make_cluster(pools=dead) as cluster:
+            response = httpx.post(cluster.base_url + "/completions", json={"model": "test-model", "prompt": "x"})
+            assert response.status_code == 200
+            assert response.headers["x-route-pool"] == "team"
+            assert response.headers["x-route-reason"] == "spill:spec-down"

@@ -220,10 +220,17 @@ def test_decisions_are_counted(cluster: Cluster) -> None:
     client.completions.create(model="test-model", prompt="x", max_tokens=1)
     client.completions.create(model="test-model", prompt="x", max_tokens=1, n=2)
     assert (
-        cluster.settled_metric("specroute_route_decisions_total", 1, job="interactive", pool="fast", reason="default")
+        cluster.settled_metric(
+            "specroute_route_decisions_total", 1, job="interactive", pool="fast", reason="default", content="prose"
+        )
         == 1
     )
-    assert cluster.settled_metric("specroute_route_decisions_total", 1, job="batch", pool="team", reason="n>1") == 1
+    assert (
+        cluster.settled_metric(
+            "specroute_route_decisions_total", 1, job="batch", pool="team", reason="n>1", content="prose"
+        )
+        == 1
+    )
 
 
 def test_access_log_escapes_control_characters(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:

@@ -90,3 +90,11 @@ def test_unterminated_tail_is_flushed_as_is() -> None:
     watch = StreamWatch(drop_usage_chunk=False)
     assert watch.feed(CONTENT[0] + b"data: partial") == CONTENT[0]
     assert watch.flush() == b"data: partial"
+
+
+def test_error_event_after_content_is_noticed_and_passed_on() -> None:
+    watch = StreamWatch(drop_usage_chunk=False)
+    error = b'data: {"error": {"message": "engine died", "type": "upstream_error"}}\n\n'
+    assert watch.feed(CONTENT[0] + CONTENT[1]) == CONTENT[0] + CONTENT[1]
+    assert watch.feed(error) == error
+    assert watch.error == "engine died"

@@ -1,9 +1,10 @@
 """The load generator: streaming requests against any OpenAI-compatible `base_url`.
 
-Each request is a streamed chat completion read with a bare HTTP client (the official SDK's
-per-chunk objects would cost more CPU than the router being measured). Per request it records
-the time to the first chunk that carries generated text, the completion tokens the server
-reports in `usage`, the duration and the status.
+Each request is a streamed chat completion, sent with the router's own upstream client and read
+with its stream watcher: the official SDK's per-chunk objects, or httpx's connection pool, would
+cost more CPU at 256 streams than the target being measured. Per request it records the time to
+the first chunk that carries generated text, the completion tokens the server reports in
+`usage`, the duration and the status.
 
 With `time_scale` N (a simulated target running N times faster than real time), every wall-clock
 duration is multiplied by N, so the figures are in the target's real time.
@@ -16,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from router.content import ContentKind
 from router.prompts import prompts
+from router.sse import StreamWatch, prompt_tokens
+from router.upstream import TransportError, UpstreamPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +74,9 @@ class Load:
     def __init__(self, target: Target, *, max_connections: int = 512) -> None:
         self.target = target
         self.records: list[Record] = []
-        self._client = httpx.AsyncClient(
-            base_url=target.base_url.rstrip("/"),
-            timeout=httpx.Timeout(connect=10, read=None, write=30, pool=None),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
+        # A round of the note waits minutes for a first token: no read timeout worth having.
+        self._client = UpstreamPool(connect_timeout=10, read_timeout=3600, max_idle_per_origin=max_connections)
+        self._url = target.base_url.rstrip("/") + "/chat/completions"
         self._origin = time.perf_counter()
         self._counter = 0
 
@@ -111,41 +110,35 @@ class Load:
     async def request(self, job: Job) -> Record:
         record = Record(job.label, self.now())
         self.records.append(record)
-        headers = {"authorization": f"Bearer {job.api_key or self.target.api_key}", **job.headers}
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"authorization", f"Bearer {job.api_key or self.target.api_key}".encode()),
+            *((name.encode(), value.encode()) for name, value in job.headers.items()),
+        ]
+        body = json.dumps(self._body(job)).encode()
         started = time.perf_counter()
-        scale = self.target.time_scale
         try:
-            async with self._client.stream(
-                "POST", "/chat/completions", json=self._body(job), headers=headers
-            ) as response:
+            response = await self._client.request(self._url, headers=headers, body=body)
+            try:
                 record.status = response.status_code
-                record.pool = response.headers.get("x-route-pool")
+                pool = response.header(b"x-route-pool")
+                record.pool = pool.decode() if pool else None
                 if response.status_code != 200:
-                    await response.aread()
-                    record.error = response.text[:200]
+                    record.error = (await response.read())[:200].decode(errors="replace")
                     return record
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[5:])
-                    if "error" in chunk:
-                        record.error = str(chunk["error"].get("message", chunk["error"]))
-                    if record.ttft is None and _has_text(chunk):
-                        record.ttft = (time.perf_counter() - started) * scale
-                    usage = chunk.get("usage")
-                    if usage:
-                        record.tokens = int(usage.get("completion_tokens", 0))
-                        record.prompt_tokens = int(usage.get("prompt_tokens", 0))
-        except httpx.HTTPError as exc:
+                watch = StreamWatch(drop_usage_chunk=False)
+                async for chunk in response.iter_raw():
+                    watch.feed(chunk)
+                    if record.ttft is None and watch.saw_content:
+                        record.ttft = (time.perf_counter() - started) * self.target.time_scale
+                watch.flush()
+                record.error = watch.error
+                record.tokens = watch.completion_tokens or 0
+                record.prompt_tokens = prompt_tokens(watch.usage) or 0
+            finally:
+                await response.aclose()
+        except TransportError as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         finally:
-            record.duration = (time.perf_counter() - started) * scale
+            record.duration = (time.perf_counter() - started) * self.target.time_scale
         return record
-
-
-def _has_text(chunk: dict[str, Any]) -> bool:
-    for choice in chunk.get("choices") or ():
-        delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("reasoning_content"):
-            return True
-    return False

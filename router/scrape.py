@@ -1,0 +1,123 @@
+"""What the engines say about their own load, read from their `/metrics`.
+
+The router's own in-flight counts stay the primary signal: scraped gauges lag by a scrape
+interval and the engine's own update period. What scraping adds is the load that other clients
+and other router replicas put on the same engine, whether requests wait inside the engine, how
+full its KV cache is, and how well its speculation is guessing right now.
+
+vLLM and SGLang name these differently; both are read:
+
+| figure | vLLM | SGLang |
+|---|---|---|
+| running | `vllm:num_requests_running` | `sglang:num_running_reqs` |
+| waiting | `vllm:num_requests_waiting` | `sglang:num_queue_reqs` |
+| KV usage (0..1) | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `sglang:token_usage` |
+| speculation | `vllm:spec_decode_num_{accepted_tokens,draft_tokens,drafts}_total` | `sglang:spec_accept_length` |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.upstream import TransportError, UpstreamPool
+
+if TYPE_CHECKING:
+    from router.pools import Backend, Pools
+
+_RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+_WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+_DRAFTS = "vllm:spec_decode_num_drafts_total"
+_ACCEPT_LENGTH = "sglang:spec_accept_length"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One scrape of one engine. None: the engine does not export that figure."""
+
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    acceptance: float | None = None  # accepted ÷ drafted tokens since the previous scrape
+    accept_length: float | None = None  # tokens a sequence gains per step (1 + accepted per draft)
+    draft_tokens: float | None = None  # guessed tokens per step and sequence (k)
+    scraped_at: float = 0.0  # monotonic seconds; 0 = never
+
+    def fresh(self, now: float, stale_after: float) -> bool:
+        return self.scraped_at > 0 and now - self.scraped_at <= stale_after
+
+
+def parse(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus exposition, summed over its labels, by sample name."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def _first(values: Mapping[str, float], names: tuple[str, ...]) -> float | None:
+    return next((values[name] for name in names if name in values), None)
+
+
+def engine_load(values: Mapping[str, float], previous: Mapping[str, float] | None, now: float) -> EngineLoad:
+    """The load figures from one scrape; speculation rates from the counters' change since `previous`."""
+    acceptance = accept_length = draft_tokens = None
+    if previous is not None and _ACCEPTED in values and _DRAFT_TOKENS in values:
+        drafted = values[_DRAFT_TOKENS] - previous.get(_DRAFT_TOKENS, 0.0)
+        accepted = values[_ACCEPTED] - previous.get(_ACCEPTED, 0.0)
+        drafts = values.get(_DRAFTS, 0.0) - previous.get(_DRAFTS, 0.0)
+        if drafted > 0:
+            acceptance = accepted / drafted
+        if drafts > 0:
+            accept_length = 1 + accepted / drafts
+            draft_tokens = drafted / drafts
+    if _ACCEPT_LENGTH in values:
+        accept_length = values[_ACCEPT_LENGTH]
+    return EngineLoad(
+        running=_first(values, _RUNNING),
+        waiting=_first(values, _WAITING),
+        kv_usage=_first(values, _KV),
+        acceptance=acceptance,
+        accept_length=accept_length,
+        draft_tokens=draft_tokens,
+        scraped_at=now,
+    )
+
+
+class EngineScraper:
+    def __init__(self, pools: Pools, upstream: UpstreamPool, *, interval: float, timeout: float) -> None:
+        self._pools = pools
+        self._upstream = upstream
+        self._interval = interval
+        self._timeout = timeout
+        self._previous: dict[str, dict[str, float]] = {}
+
+    async def run(self) -> None:
+        while True:
+            await self.scrape_all()
+            await asyncio.sleep(self._interval)
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self._scrape(backend) for backend in self._pools.backends()))
+
+    async def _scrape(self, backend: Backend) -> None:
+        headers = [(b"authorization", f"Bearer {backend.api_key}".encode())] if backend.api_key else []
+        try:
+            async with asyncio.timeout(self._timeout):
+                status, body = await self._upstream.get(backend.url + "/metrics", headers=headers)
+            if status != 200:
+                return
+            values = parse(body.decode("utf-8", "replace"))
+        except (TransportError, TimeoutError, ValueError):
+            return  # the last load stays, and goes stale
+        backend.engine = engine_load(values, self._previous.get(backend.name), time.monotonic())
+        self._previous[backend.name] = values

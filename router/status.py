@@ -1,0 +1,78 @@
+"""`GET /router/status`: the live view of every pool and backend, as JSON."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from router.config import Settings
+from router.content import ContentKind
+from router.learn import SpeedModel, crossover
+from router.pools import Backend, Pools
+
+_KINDS: tuple[ContentKind, ...] = ("prose", "code")
+
+
+def status(settings: Settings, pools: Pools, speeds: SpeedModel) -> dict[str, Any]:
+    now = time.monotonic()
+    standard = [b.name for pool in pools if not pool.speculative for b in pool.backends]
+    return {
+        "routing": {
+            "mode": settings.routing.mode,
+            "interactive_pool": settings.pool_for("interactive"),
+            "batch_pool": settings.pool_for("batch"),
+            "crossover": settings.routing.crossover,
+            "kv_threshold": settings.routing.kv_threshold,
+        },
+        "pools": {
+            pool.name: {
+                "speculative": pool.speculative,
+                "healthy": pool.healthy,
+                "in_flight": pool.in_flight,
+                "queued": {"interactive": pool.queued("interactive"), "batch": pool.queued("batch")},
+                "backends": {
+                    backend.name: _backend(backend, speeds, standard if pool.speculative else None, now, settings)
+                    for backend in pool.backends
+                },
+            }
+            for pool in pools
+        },
+    }
+
+
+def _backend(
+    backend: Backend, speeds: SpeedModel, standard: list[str] | None, now: float, settings: Settings
+) -> dict[str, Any]:
+    engine = backend.engine
+    ttfts = sorted(backend.recent_ttft)
+    curves = {}
+    for kind in _KINDS:
+        curve = speeds.curve(backend.name, kind)
+        if curve is not None:
+            curves[kind] = [
+                {"concurrency": c, "tokens_per_second": round(speed, 2), "samples": n} for c, speed, n in curve.points()
+            ]
+    view: dict[str, Any] = {
+        "healthy": backend.healthy,
+        "in_flight": backend.in_flight,
+        "max_concurrency": backend.max_concurrency,
+        "engine": {
+            "stale": not engine.fresh(now, settings.scrape.stale_after),
+            "age_seconds": round(now - engine.scraped_at, 3) if engine.scraped_at else None,
+            "running": engine.running,
+            "waiting": engine.waiting,
+            "kv_usage": engine.kv_usage,
+            "acceptance": engine.acceptance,
+            "accept_length": engine.accept_length,
+        },
+        "ttft_seconds": {
+            "p50": statistics.median(ttfts) if ttfts else None,
+            "p95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))] if ttfts else None,
+            "samples": len(ttfts),
+        },
+        "speed_curve": curves,
+    }
+    if standard is not None:
+        view["learned_crossover"] = {kind: crossover(speeds, backend.name, standard, kind) for kind in _KINDS}
+    return view
