@@ -33,7 +33,7 @@ class PoolState:
     # Requests on its least-loaded healthy backend: the router's own or the engine's, the larger.
     concurrency: int = 0
     has_room: bool = True  # a backend below max_concurrency and nobody in the router's queue
-    engine_waiting: float = 0.0  # waiting inside its engines (fresh scrapes only)
+    engine_queued: float = 0.0  # waiting inside its engines on two scrapes running (fresh only)
     kv_usage: float | None = None  # highest among its engines (fresh scrapes only)
     # Predicted per-user tok/s for one more request, by content (adaptive mode; None: not learned).
     speed: Mapping[ContentKind, float | None] = field(default_factory=dict)
@@ -93,7 +93,7 @@ class Policy:
         """Why a request sent to the speculative pool now would wait, or None."""
         if not spec.healthy:
             return "spill:spec-down"
-        if spec.engine_waiting > 0:
+        if spec.engine_queued > 0:
             return "spill:spec-queueing"
         if spec.kv_usage is not None and spec.kv_usage >= self._config.kv_threshold:
             return "spill:spec-kv-full"

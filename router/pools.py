@@ -38,14 +38,16 @@ class Backend:
         self.recent_ttft: deque[float] = deque(maxlen=256)
 
     def concurrency(self, now: float, stale_after: float) -> int:
-        """Requests on the engine: the router's own, or what the engine reports if that is more.
+        """Requests on the engine: what it reported, plus what this router sent it since.
 
-        The engine's figure includes other clients and other routers, but lags by a scrape.
+        The engine's figure includes other clients and other routers, but lags by a scrape;
+        the router's own count is exact but sees only itself. Never less than the latter.
         """
         engine = self.engine
-        if engine.fresh(now, stale_after) and engine.running is not None:
-            return max(self.in_flight, round(engine.running + (engine.waiting or 0)))
-        return self.in_flight
+        if not engine.fresh(now, stale_after) or engine.running is None:
+            return self.in_flight
+        reported = engine.running + (engine.waiting or 0)
+        return max(self.in_flight, round(reported) + max(0, self.in_flight - engine.own_in_flight))
 
     @property
     def load(self) -> float:
@@ -200,7 +202,7 @@ class Pools:
                 speculative=pool.speculative,
                 concurrency=concurrency,
                 has_room=not pool.queued() and any(b.has_room for b in healthy),
-                engine_waiting=sum(e.waiting or 0 for e in fresh),
+                engine_queued=sum(e.queued or 0 for e in fresh),
                 kv_usage=max((e.kv_usage for e in fresh if e.kv_usage is not None), default=None),
                 speed={
                     kind: speeds.predict(best.name, kind, concurrency + 1, gain=gain, fallback=not pool.speculative)

@@ -12,14 +12,18 @@ vLLM and SGLang name these differently; both are read:
 | running | `vllm:num_requests_running` | `sglang:num_running_reqs` |
 | waiting | `vllm:num_requests_waiting` | `sglang:num_queue_reqs` |
 | KV usage (0..1) | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `sglang:token_usage` |
-| speculation | `vllm:spec_decode_num_{accepted_tokens,draft_tokens,drafts}_total` | `sglang:spec_accept_length` |
+| speculation | `vllm:spec_decode_num_{accepted_tokens,draft_tokens,drafts}_total` | `sglang:spec_accept_*` |
+
+An engine with several ranks (data parallel) exports a series per rank: counts are summed,
+the KV usage is the highest, and the speculation figures are averaged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +41,7 @@ _ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 _DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 _DRAFTS = "vllm:spec_decode_num_drafts_total"
 _ACCEPT_LENGTH = "sglang:spec_accept_length"
+_ACCEPT_RATE = "sglang:spec_accept_rate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,47 +50,64 @@ class EngineLoad:
 
     running: float | None = None
     waiting: float | None = None
+    # Waiting in this scrape and the one before: a queue, not a request caught between its
+    # arrival and the engine's next step.
+    queued: float | None = None
     kv_usage: float | None = None
     acceptance: float | None = None  # accepted ÷ drafted tokens since the previous scrape
     accept_length: float | None = None  # tokens a sequence gains per step (1 + accepted per draft)
     draft_tokens: float | None = None  # guessed tokens per step and sequence (k)
     scraped_at: float = 0.0  # monotonic seconds; 0 = never
+    own_in_flight: int = 0  # this router's requests on the engine when the scrape came back
 
     def fresh(self, now: float, stale_after: float) -> bool:
         return self.scraped_at > 0 and now - self.scraped_at <= stale_after
 
 
-def parse(text: str) -> dict[str, float]:
-    """Every sample of a Prometheus exposition, summed over its labels, by sample name."""
-    totals: dict[str, float] = {}
+def parse(text: str) -> dict[str, list[float]]:
+    """Every sample of a Prometheus exposition by sample name, one value per label set."""
+    samples: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
+            samples.setdefault(sample.name, []).append(sample.value)
+    return samples
 
 
-def _first(values: Mapping[str, float], names: tuple[str, ...]) -> float | None:
-    return next((values[name] for name in names if name in values), None)
+def _first(
+    values: Mapping[str, list[float]], names: tuple[str, ...], combine: Callable[[list[float]], float]
+) -> float | None:
+    return next((combine(values[name]) for name in names if values.get(name)), None)
 
 
-def engine_load(values: Mapping[str, float], previous: Mapping[str, float] | None, now: float) -> EngineLoad:
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def engine_load(
+    values: Mapping[str, list[float]], previous: Mapping[str, list[float]] | None, now: float
+) -> EngineLoad:
     """The load figures from one scrape; speculation rates from the counters' change since `previous`."""
     acceptance = accept_length = draft_tokens = None
-    if previous is not None and _ACCEPTED in values and _DRAFT_TOKENS in values:
-        drafted = values[_DRAFT_TOKENS] - previous.get(_DRAFT_TOKENS, 0.0)
-        accepted = values[_ACCEPTED] - previous.get(_ACCEPTED, 0.0)
-        drafts = values.get(_DRAFTS, 0.0) - previous.get(_DRAFTS, 0.0)
+    if previous is not None and values.get(_ACCEPTED) and values.get(_DRAFT_TOKENS):
+
+        def delta(name: str) -> float:
+            return sum(values.get(name, ())) - sum(previous.get(name, ()))
+
+        drafted, accepted, drafts = delta(_DRAFT_TOKENS), delta(_ACCEPTED), delta(_DRAFTS)
         if drafted > 0:
             acceptance = accepted / drafted
         if drafts > 0:
             accept_length = 1 + accepted / drafts
             draft_tokens = drafted / drafts
-    if _ACCEPT_LENGTH in values:
-        accept_length = values[_ACCEPT_LENGTH]
+    accept_length = _first(values, (_ACCEPT_LENGTH,), _mean) or accept_length
+    acceptance = _first(values, (_ACCEPT_RATE,), _mean) or acceptance
+    waiting = _first(values, _WAITING, sum)
+    before = _first(previous, _WAITING, sum) if previous is not None else None
     return EngineLoad(
-        running=_first(values, _RUNNING),
-        waiting=_first(values, _WAITING),
-        kv_usage=_first(values, _KV),
+        running=_first(values, _RUNNING, sum),
+        waiting=waiting,
+        queued=min(waiting, before) if waiting is not None and before is not None else None,
+        kv_usage=_first(values, _KV, max),
         acceptance=acceptance,
         accept_length=accept_length,
         draft_tokens=draft_tokens,
@@ -99,7 +121,7 @@ class EngineScraper:
         self._upstream = upstream
         self._interval = interval
         self._timeout = timeout
-        self._previous: dict[str, dict[str, float]] = {}
+        self._previous: dict[str, dict[str, list[float]]] = {}
 
     async def run(self) -> None:
         while True:
@@ -119,5 +141,6 @@ class EngineScraper:
             values = parse(body.decode("utf-8", "replace"))
         except (TransportError, TimeoutError, ValueError):
             return  # the last load stays, and goes stale
-        backend.engine = engine_load(values, self._previous.get(backend.name), time.monotonic())
+        load = engine_load(values, self._previous.get(backend.name), time.monotonic())
+        backend.engine = dataclasses.replace(load, own_in_flight=backend.in_flight)
         self._previous[backend.name] = values

@@ -1,0 +1,194 @@
+"""Speculation-aware routing end to end: the simulated engines, real routers, real streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.app import create_app
+from router.config import Settings
+from router.content import ContentKind
+from router.prompts import prompts
+from router.scrape import engine_load, parse
+from router.sim.profile import load_profile
+from router.sim.server import create_sim_app
+from tests.servers import ServerThread
+
+SCALE = 20
+
+
+@contextmanager
+def engines() -> Iterator[tuple[str, str]]:
+    with (
+        ServerThread(create_sim_app(load_profile("fast"), time_scale=SCALE)) as fast,
+        ServerThread(create_sim_app(load_profile("team"), time_scale=SCALE)) as team,
+    ):
+        yield fast.url, team.url
+
+
+def _router(fast: str, team: str, **routing: Any) -> ServerThread:
+    data: dict[str, Any] = {
+        "pools": {
+            "fast": {"speculative": True, "backends": {"fast-1": {"url": fast, "max_concurrency": 256}}},
+            "team": {"speculative": False, "backends": {"team-1": {"url": team, "max_concurrency": 256}}},
+        },
+        "routing": routing,
+        "scrape": {"interval": 0.05, "stale_after": 2},
+    }
+    return ServerThread(create_app(Settings(**data), registry=CollectorRegistry()), fast=True)
+
+
+def _body(kind: ContentKind, number: int) -> dict[str, Any]:
+    texts = prompts(kind)
+    return {
+        "model": "glm-5.3-flash",
+        "messages": [{"role": "user", "content": texts[number % len(texts)]}],
+        "max_tokens": 512,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
+async def _start(router: str, users: range, kind: ContentKind) -> tuple[list[dict[str, str]], list[asyncio.Task[None]]]:
+    """Start one streaming request per user; return each response's headers once they arrive."""
+    client = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200))
+    seen: list[dict[str, str]] = []
+    arrived = asyncio.Event()
+
+    async def user(number: int) -> None:
+        headers = {"authorization": f"Bearer user-{number}"}
+        async with client.stream(
+            "POST", router + "/v1/chat/completions", json=_body(kind, number), headers=headers
+        ) as response:
+            seen.append(dict(response.headers))
+            if len(seen) == len(users):
+                arrived.set()
+            async for _ in response.aiter_bytes():
+                pass
+
+    tasks = []
+    for number in users:
+        tasks.append(asyncio.create_task(user(number)))
+        await asyncio.sleep(0.01)  # people do not click at the same microsecond
+    await asyncio.wait_for(arrived.wait(), 30)
+    return seen, tasks
+
+
+def _engine(url: str) -> dict[str, float | None]:
+    load = engine_load(parse(httpx.get(url + "/metrics").text), None, now=0)
+    return {"running": load.running, "waiting": load.waiting}
+
+
+def _stop(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+
+
+@pytest.mark.parametrize("mode", ["crossover", "adaptive"])
+def test_interactive_users_spill_before_the_speculative_engine_queues(mode: str) -> None:
+    with engines() as (fast, team), _router(fast, team, mode=mode) as router:
+
+        async def scenario() -> tuple[list[dict[str, str]], dict[str, float | None]]:
+            seen, tasks = await _start(router.url, range(30), "prose")
+            await asyncio.sleep(0.2)
+            state = await asyncio.to_thread(_engine, fast)
+            _stop(tasks)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return seen, state
+
+        seen, fast_engine = asyncio.run(scenario())
+    pools = Counter(h["x-route-pool"] for h in seen)
+    reasons = Counter(h["x-route-reason"] for h in seen if h["x-route-pool"] == "team")
+    assert pools["fast"] >= 4  # the first users get speculation
+    assert pools["team"] >= 5  # ...the rest spill
+    assert set(reasons) <= {"spill:past-crossover", "spill:faster-on-standard", "spill:spec-kv-full"}
+    assert all(h["x-job-type"] == "interactive" for h in seen)
+    assert fast_engine["waiting"] == 0  # nobody queues inside the speculative engine
+
+
+def test_code_keeps_the_speculative_pool_longer_than_prose() -> None:
+    counts = {}
+    kinds: tuple[ContentKind, ...] = ("prose", "code")
+    for kind in kinds:
+        with engines() as (fast, team), _router(fast, team, mode="crossover") as router:
+
+            async def scenario(kind: ContentKind = kind) -> list[dict[str, str]]:
+                seen, tasks = await _start(router.url, range(12), kind)
+                _stop(tasks)
+                await asyncio.gather(*tasks, return_exceptions=True)
+                return seen
+
+            counts[kind] = Counter(h["x-route-pool"] for h in asyncio.run(scenario()))["fast"]
+    assert counts["code"] > counts["prose"]
+
+
+def test_two_routers_together_keep_the_speculative_engine_at_its_crossover() -> None:
+    with ExitStack() as stack:
+        fast, team = stack.enter_context(engines())
+        first = stack.enter_context(_router(fast, team, mode="crossover"))
+        second = stack.enter_context(_router(fast, team, mode="crossover"))
+
+        async def scenario() -> tuple[list[dict[str, str]], list[dict[str, str]], dict[str, float | None]]:
+            seen_first, tasks = await _start(first.url, range(3), "prose")
+            await asyncio.sleep(0.3)  # the second router's scrape now shows the first one's three
+            seen_second, more = await _start(second.url, range(100, 104), "prose")
+            await asyncio.sleep(0.2)
+            state = await asyncio.to_thread(_engine, fast)
+            _stop(tasks + more)
+            await asyncio.gather(*tasks, *more, return_exceptions=True)
+            return seen_first, seen_second, state
+
+        seen_first, seen_second, fast_engine = asyncio.run(scenario())
+    assert [h["x-route-pool"] for h in seen_first] == ["fast"] * 3
+    second_pools = Counter(h["x-route-pool"] for h in seen_second)
+    assert second_pools == {"fast": 1, "team": 3}  # 3 + 1 = the prose crossover, 4
+    assert fast_engine["running"] == 4
+
+
+def test_status_and_metrics_explain_the_live_state() -> None:
+    with engines() as (fast, team), _router(fast, team, mode="adaptive") as router:
+
+        async def scenario() -> None:
+            _, tasks = await _start(router.url, range(6), "code")
+            await asyncio.sleep(0.3)
+            _stop(tasks)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run(scenario())
+        # Finish a few streams so there is something learned.
+        for number in range(3):
+            body = {**_body("code", number), "max_tokens": 64}
+            with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30) as response:
+                for _ in response.iter_bytes():
+                    pass
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            status = httpx.get(router.url + "/router/status").json()
+            if status["pools"]["fast"]["backends"]["fast-1"]["speed_curve"]:
+                break
+            time.sleep(0.05)
+        metrics = httpx.get(router.url + "/metrics").text
+    assert status["routing"]["mode"] == "adaptive"
+    backend = status["pools"]["fast"]["backends"]["fast-1"]
+    assert backend["engine"]["stale"] is False
+    assert backend["engine"]["acceptance"] is not None
+    assert backend["ttft_seconds"]["samples"] >= 3
+    assert backend["speed_curve"]["code"][0]["tokens_per_second"] > 0
+    assert "learned_crossover" in backend
+    assert json.dumps(status)  # plain JSON all the way down
+    for name in (
+        "specroute_engine_running_requests",
+        "specroute_engine_kv_cache_usage_ratio",
+        "specroute_engine_spec_acceptance_ratio",
+        'specroute_route_decisions_total{content="code"',
+    ):
+        assert name in metrics, name

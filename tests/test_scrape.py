@@ -1,0 +1,155 @@
+"""Reading engine load from real vLLM-format and SGLang-format exposition text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from router.config import Settings
+from router.pools import Pools
+from router.scrape import EngineScraper, engine_load, parse
+from router.sim.profile import load_profile
+from router.sim.server import create_sim_app
+from router.upstream import UpstreamPool
+from tests.servers import ServerThread
+
+# As vLLM's V1 engine writes it (two data-parallel engines), trimmed to the families we read plus
+# neighbours that must be ignored.
+VLLM = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="glm-5.3-flash"} 7.0
+vllm:num_requests_running{engine="1",model_name="glm-5.3-flash"} 5.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="glm-5.3-flash"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="glm-5.3-flash"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="glm-5.3-flash"} 0.62
+vllm:kv_cache_usage_perc{engine="1",model_name="glm-5.3-flash"} 0.41
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="glm-5.3-flash"} {drafts}
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="glm-5.3-flash"} {draft_tokens}
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="glm-5.3-flash"} {accepted}
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="glm-5.3-flash",position="0"} 900.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="glm-5.3-flash"} 3.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="glm-5.3-flash"} 9.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="glm-5.3-flash"} 9.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="glm-5.3-flash"} 4.2
+"""
+
+SGLANG = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{dp_rank="0",engine_type="unified",model_name="glm",tp_rank="0"} 11.0
+sglang:num_running_reqs{dp_rank="1",engine_type="unified",model_name="glm",tp_rank="0"} 9.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{dp_rank="0",engine_type="unified",model_name="glm",tp_rank="0"} 3.0
+sglang:num_queue_reqs{dp_rank="1",engine_type="unified",model_name="glm",tp_rank="0"} 1.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{dp_rank="0",engine_type="unified",model_name="glm",tp_rank="0"} 0.93
+sglang:token_usage{dp_rank="1",engine_type="unified",model_name="glm",tp_rank="0"} 0.71
+# HELP sglang:spec_accept_length The average acceptance length of speculative decoding.
+# TYPE sglang:spec_accept_length gauge
+sglang:spec_accept_length{dp_rank="0",engine_type="unified",model_name="glm",tp_rank="0"} 2.5
+sglang:spec_accept_length{dp_rank="1",engine_type="unified",model_name="glm",tp_rank="0"} 3.5
+# HELP sglang:spec_accept_rate The average acceptance rate of speculative decoding.
+# TYPE sglang:spec_accept_rate gauge
+sglang:spec_accept_rate{dp_rank="0",engine_type="unified",model_name="glm",tp_rank="0"} 0.5
+sglang:spec_accept_rate{dp_rank="1",engine_type="unified",model_name="glm",tp_rank="0"} 0.7
+# HELP sglang:gen_throughput The generation throughput (token/s).
+# TYPE sglang:gen_throughput gauge
+sglang:gen_throughput{dp_rank="0",engine_type="unified",model_name="glm",tp_rank="0"} 400.0
+"""
+
+
+def _vllm(drafts: int, draft_tokens: int, accepted: int) -> str:
+    return (
+        VLLM.replace("{drafts}", f"{drafts}.0")
+        .replace("{draft_tokens}", f"{draft_tokens}.0")
+        .replace("{accepted}", f"{accepted}.0")
+    )
+
+
+def test_vllm_gauges_and_acceptance_over_the_interval() -> None:
+    first = parse(_vllm(1000, 3000, 1500))
+    load = engine_load(first, None, now=10.0)
+    assert (load.running, load.waiting, load.kv_usage) == (12.0, 2.0, 0.62)  # summed; KV: the fuller
+    assert load.queued is None  # one scrape cannot tell a queue from a request in passing
+    assert load.acceptance is None  # counters need a previous scrape
+    second = parse(_vllm(1100, 3300, 1740))
+    load = engine_load(second, first, now=11.0)
+    assert load.queued == 2.0  # waiting on both scrapes
+    assert load.acceptance == pytest.approx(240 / 300)  # the last interval, not the lifetime 0.5
+    assert load.accept_length == pytest.approx(1 + 240 / 100)
+    assert load.draft_tokens == pytest.approx(3)
+    assert load.scraped_at == 11.0
+
+
+def test_no_speculation_traffic_leaves_acceptance_unknown() -> None:
+    same = parse(_vllm(1000, 3000, 1500))
+    assert engine_load(same, same, now=1.0).acceptance is None
+
+
+def test_sglang_names() -> None:
+    load = engine_load(parse(SGLANG), None, now=1.0)
+    assert (load.running, load.waiting) == (20.0, 4.0)
+    assert load.kv_usage == 0.93
+    assert load.accept_length == pytest.approx(3.0)
+    assert load.acceptance == pytest.approx(0.6)
+
+
+def test_staleness() -> None:
+    load = engine_load(parse(SGLANG), None, now=100.0)
+    assert load.fresh(now=104.0, stale_after=5)
+    assert not load.fresh(now=106.0, stale_after=5)
+
+
+def test_scraper_reads_a_simulated_engine_over_http() -> None:
+    fast = load_profile("fast")
+    with ServerThread(create_sim_app(fast, time_scale=20)) as engine:
+        settings = Settings(
+            pools={"fast": {"speculative": True, "backends": {"f1": {"url": engine.url}}}}  # type: ignore[dict-item]
+        )
+        pools = Pools(settings)
+
+        async def scenario() -> None:
+            upstream = UpstreamPool(connect_timeout=1, read_timeout=5)
+            scraper = EngineScraper(pools, upstream, interval=0.05, timeout=1)
+            await scraper.scrape_all()
+            body = json.dumps(
+                {"model": fast.model, "prompt": "def f(x):\n    return x", "max_tokens": 512, "ignore_eos": True}
+            ).encode()
+            requests = [
+                asyncio.create_task(upstream.request(engine.url + "/v1/completions", headers=[], body=body))
+                for _ in range(30)
+            ]
+            await asyncio.sleep(0.3)
+            await scraper.scrape_all()
+            await asyncio.sleep(0.1)  # some steps between the two: acceptance over that interval
+            await scraper.scrape_all()
+            load = pools["fast"].backends[0].engine
+            assert load.queued == 7
+            assert load.running == 23 and load.waiting == 7  # the fast profile's KV limit
+            assert load.kv_usage is not None and load.kv_usage > 0.9
+            assert load.acceptance is not None and 0.5 < load.acceptance <= 1  # code is guessed well
+            for task in requests:
+                task.cancel()
+            await asyncio.gather(*requests, return_exceptions=True)
+            await upstream.aclose()
+
+        asyncio.run(scenario())
