@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces the results in docs/benchmarks.md: the note's sweep on each simulated engine alone
-# (prose and code), then `compare` of the mixed load. About 20 minutes on two cores.
+# (prose and code), `compare` of the mixed load, and the spill sweeps. About an hour on two cores.
 # Usage: scripts/run_benchmarks.sh [time-scale]   (default 5; the simulator must keep up:
 # check specroute_sim_lag_seconds on the engines' /metrics if you raise it)
 set -euo pipefail
@@ -25,3 +25,8 @@ echo "engine lag at the end: fast $(curl -s localhost:9101/metrics | grep '^spec
 
 specroute bench compare --scenario mixed --interactive 4 --batch 124 --duration 300 --think 5 \
   --max-tokens 512 --time-scale "$scale" --out "$out/compare-mixed"
+
+for kind in prose code; do
+  specroute bench spill --kind "$kind" --users 1,2,4,8,16,32 --batch 96 --duration 90 --think 3 \
+    --max-tokens 256 --modes adaptive,static --time-scale "$scale" --out "$out/spill-$kind"
+done

@@ -1,4 +1,4 @@
-"""`specroute bench sweep | mixed | compare`."""
+"""`specroute bench sweep | mixed | compare | spill`."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from router.bench import report
-from router.bench.compare import run_on_layouts
+from router.bench.compare import run_on_layout
 from router.bench.load import Target
-from router.bench.scenarios import MixedResult, Summary, mixed, sweep
+from router.bench.scenarios import MixedResult, Summary, SweepRound, mixed, sweep
 from router.sim.cluster import LAYOUTS, LayoutName
 from router.sim.profile import load_profile
 
@@ -66,6 +66,15 @@ def add_parser(commands: Any) -> None:
     compare.add_argument("--users", type=users, default=[1, 2, 4, 8, 16, 32, 64, 128])
     mixed_options(compare)
 
+    spill = scenarios.add_parser(
+        "spill", help="interactive users from few to many on top of a batch job: where does routing put them?"
+    )
+    common(spill, target=False)
+    mixed_options(spill)
+    spill.set_defaults(batch=96, duration=120, think=3, max_tokens=256)
+    spill.add_argument("--users", type=users, default=[1, 2, 4, 8, 16, 32], help="interactive users per point")
+    spill.add_argument("--modes", default="adaptive,static", help="routing modes to run, comma-separated")
+
 
 def run(args: argparse.Namespace) -> int:
     out: Path = args.out or Path("bench-results") / f"{args.scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -74,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         return _sweep(args, out)
     if args.scenario == "mixed":
         return _mixed(args, out)
+    if args.scenario == "spill":
+        return _spill(args, out)
     return _compare(args, out)
 
 
@@ -117,23 +128,33 @@ def _sweep(args: argparse.Namespace, out: Path) -> int:
     return _finish(out, f"## sweep of {target.base_url} ({target.model}, {args.kind})\n\n" + report.sweep_table(rounds))
 
 
-def _mixed_run(args: argparse.Namespace, target: Target, progress: Callable[[float], None], **over: int) -> Any:
-    params = {"interactive_users": args.interactive, "batch_in_flight": args.batch, **over}
-    return mixed(
-        target,
-        duration=args.duration,
-        think_time=args.think,
-        kind=args.kind,
-        max_tokens=args.max_tokens,
-        batch_header=args.batch_header,
-        progress=progress,
-        **params,
-    )
+def _mixed_scenario(
+    args: argparse.Namespace, *, interactive: int, batch: int, progress: Callable[[float], None] | None = None
+) -> Callable[[Target], Coroutine[Any, Any, MixedResult]]:
+    def scenario(target: Target) -> Coroutine[Any, Any, MixedResult]:
+        return mixed(
+            target,
+            interactive_users=interactive,
+            batch_in_flight=batch,
+            duration=args.duration,
+            think_time=args.think,
+            kind=args.kind,
+            max_tokens=args.max_tokens,
+            batch_header=args.batch_header,
+            progress=progress,
+        )
+
+    return scenario
 
 
 def _mixed(args: argparse.Namespace, out: Path) -> int:
     target = _target(args)
-    result = _with_progress(f"mixed {args.base_url}", lambda progress: _mixed_run(args, target, progress))
+    result = _with_progress(
+        f"mixed {args.base_url}",
+        lambda progress: _mixed_scenario(args, interactive=args.interactive, batch=args.batch, progress=progress)(
+            target
+        ),
+    )
     results = {target.base_url: result}
     _write_mixed(results, args, target, out)
     return _finish(out, f"## mixed load on {target.base_url}\n\n" + report.mixed_table(results))
@@ -180,43 +201,37 @@ def _compare(args: argparse.Namespace, out: Path) -> int:
     model = load_profile("fast").model
     target_meta = Target(base_url="(simulated layouts)", model=model, time_scale=args.time_scale)
     if args.compared == "sweep":
-        rounds = run_on_layouts(
-            LAYOUTS,
-            lambda target: sweep(target, args.users, kind=args.kind, max_tokens=args.max_tokens),
-            model=model,
-            time_scale=args.time_scale,
-            on_layout=lambda name: console.print(f"[bold]{name}[/]: sweep {args.users}"),
-        )
+        rounds: dict[str, list[SweepRound]] = {}
+        for name in LAYOUTS:
+            console.print(f"[bold]{name}[/]: sweep {args.users}")
+            rounds[name] = run_on_layout(
+                name,
+                lambda target: sweep(target, args.users, kind=args.kind, max_tokens=args.max_tokens),
+                model=model,
+                time_scale=args.time_scale,
+            )
         report.plot_sweeps(rounds, out / "compare-sweep.png", f"three layouts of eight nodes, {args.kind}")
         report.write_json(
             out / "compare-sweep.json",
             {name: report.sweep_data(r, _meta(args, target_meta)) for name, r in rounds.items()},
         )
-        report.write_csv(
-            out / "compare-sweep.csv",
-            [_row(r.summary, layout=n, users=r.users) for n, rs in rounds.items() for r in rs],
-        )
+        rows = [_row(r.summary, layout=name, users=r.users) for name, rs in rounds.items() for r in rs]
+        report.write_csv(out / "compare-sweep.csv", rows)
         markdown = "\n\n".join(f"### {name}\n\n{report.sweep_table(r)}" for name, r in rounds.items())
         return _finish(out, "## compare: sweep\n\n" + markdown)
 
-    runs: list[tuple[LayoutName, dict[str, int]]] = [
-        ("routed", {}),
-        ("all-speculative", {}),
-        ("all-standard", {}),
-        ("fast-alone", {"batch_in_flight": 0}),
-        ("team-alone", {"interactive_users": 0}),
+    runs: list[tuple[LayoutName, int, int]] = [
+        ("routed", args.interactive, args.batch),
+        ("all-speculative", args.interactive, args.batch),
+        ("all-standard", args.interactive, args.batch),
+        ("fast-alone", args.interactive, 0),
+        ("team-alone", 0, args.batch),
     ]
     results: dict[str, MixedResult] = {}
-    for name, over in runs:
+    for name, interactive, batch in runs:
         console.print(f"[bold]{name}[/]")
-        results.update(
-            run_on_layouts(
-                (name,),
-                lambda target, over=over: _progress_free_mixed(args, target, **over),  # type: ignore[misc]
-                model=model,
-                time_scale=args.time_scale,
-            )
-        )
+        scenario = _mixed_scenario(args, interactive=interactive, batch=batch)
+        results[name] = run_on_layout(name, scenario, model=model, time_scale=args.time_scale)
     _write_mixed(results, args, target_meta, out)
     verdicts = mixed_verdicts(results)
     lines = ["| target (routed layout) | measured | met |", "|---|---:|:-:|"]
@@ -231,11 +246,6 @@ def _compare(args: argparse.Namespace, out: Path) -> int:
     return _finish(out, markdown)
 
 
-async def _progress_free_mixed(args: argparse.Namespace, target: Target, **over: int) -> MixedResult:
-    result: MixedResult = await _mixed_run(args, target, lambda share: None, **over)
-    return result
-
-
 def _meta(args: argparse.Namespace, target: Target) -> dict[str, Any]:
     return {
         "target": target.base_url,
@@ -248,3 +258,39 @@ def _meta(args: argparse.Namespace, target: Target) -> dict[str, Any]:
 
 def _row(summary: Summary, **labels: Any) -> dict[str, Any]:
     return {**labels, **summary.as_dict()}
+
+
+def _spill(args: argparse.Namespace, out: Path) -> int:
+    """Each point: N interactive users beside the batch job, routed in each mode, and the two
+    references: the same users on the speculative engine alone, and on the standard engine
+    together with the batch job. The better reference is what routing should come close to."""
+    model = load_profile("fast").model
+    modes = [m for m in args.modes.split(",") if m]
+    points = []
+    for users in args.users:
+        point: dict[str, Any] = {"users": users}
+        runs: list[tuple[str, LayoutName, int, str | None]] = [
+            *((f"routed ({mode})", "routed", args.batch, mode) for mode in modes),
+            ("speculative alone", "fast-alone", 0, None),
+            ("standard with the batch", "team-alone", args.batch, None),
+        ]
+        for label, layout_name, batch, mode in runs:
+            console.print(f"[bold]{users} users[/]: {label}")
+            scenario = _mixed_scenario(args, interactive=users, batch=batch)
+            result = run_on_layout(layout_name, scenario, model=model, time_scale=args.time_scale, routing_mode=mode)
+            point[label] = result.interactive.as_dict()
+            point[label]["on_speculative"] = sum(
+                1 for r in result.records if r.label == "interactive" and r.pool == "fast"
+            )
+        points.append(point)
+    data = {**_meta(args, Target("(simulated layouts)", model, time_scale=args.time_scale)), "points": points,
+            "batch_in_flight": args.batch}  # fmt: skip
+    report.write_json(out / "spill.json", data)
+    report.write_csv(
+        out / "spill.csv",
+        [{"users": p["users"], "series": k, **v} for p in points for k, v in p.items() if k != "users"],
+    )
+    report.plot_spill(
+        points, out / "spill.png", f"interactive users beside a {args.batch}-request batch job, {args.kind}"
+    )
+    return _finish(out, report.spill_table(points, modes, args))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import os
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -18,16 +19,18 @@ from router.sim.cluster import LayoutName, layout, serve_cluster
 T = TypeVar("T")
 
 
-def _serve_layout(name: LayoutName, time_scale: float, ready: Any) -> None:
+def _serve_layout(name: LayoutName, time_scale: float, routing_mode: str | None, ready: Any) -> None:
+    if routing_mode is not None:
+        os.environ["SPECROUTE_ROUTING__MODE"] = routing_mode  # this child process's own environment
     asyncio.run(serve_cluster(layout(name), port=0, time_scale=time_scale, on_ready=lambda url, banner: ready.put(url)))
 
 
 @contextlib.contextmanager
-def running_layout(name: LayoutName, *, time_scale: float) -> Iterator[str]:
+def running_layout(name: LayoutName, *, time_scale: float, routing_mode: str | None = None) -> Iterator[str]:
     """A simulated layout and its router in a child process; yields the router's base URL."""
     context = multiprocessing.get_context("spawn")
     ready = context.Queue()
-    process = context.Process(target=_serve_layout, args=(name, time_scale, ready), daemon=True)
+    process = context.Process(target=_serve_layout, args=(name, time_scale, routing_mode, ready), daemon=True)
     process.start()
     try:
         yield ready.get(timeout=60)
@@ -41,19 +44,14 @@ def running_layout(name: LayoutName, *, time_scale: float) -> Iterator[str]:
         ready.join_thread()
 
 
-def run_on_layouts(
-    names: tuple[LayoutName, ...],
+def run_on_layout(
+    name: LayoutName,
     scenario: Callable[[Target], Coroutine[Any, Any, T]],
     *,
     model: str,
     time_scale: float,
-    on_layout: Callable[[LayoutName], None] | None = None,
-) -> dict[str, T]:
-    results: dict[str, T] = {}
-    for name in names:
-        if on_layout:
-            on_layout(name)
-        with running_layout(name, time_scale=time_scale) as base_url:
-            target = Target(base_url=base_url, model=model, time_scale=time_scale)
-            results[name] = asyncio.run(scenario(target))
-    return results
+    routing_mode: str | None = None,
+) -> T:
+    """Start the layout clean, run the scenario against its router, stop it."""
+    with running_layout(name, time_scale=time_scale, routing_mode=routing_mode) as base_url:
+        return asyncio.run(scenario(Target(base_url=base_url, model=model, time_scale=time_scale)))

@@ -68,6 +68,8 @@ def plot_sweeps(series: Mapping[str, Sequence[SweepRound]], path: Path, title: s
         right.plot(users, [r.summary.ttft_worst or float("nan") for r in rounds], marker="o", label=name)
     for axis in (left, right):
         axis.set_xscale("log", base=2)
+        ticks = sorted({r.users for rounds in series.values() for r in rounds})
+        axis.set_xticks(ticks, [str(t) for t in ticks])
         axis.set_xlabel("simultaneous users")
         axis.grid(True, alpha=0.3)
         axis.legend()
@@ -136,6 +138,56 @@ def plot_mixed(results: Mapping[str, MixedResult], path: Path, title: str) -> No
 
 def _num(value: float | None) -> float:
     return float("nan") if value is None else value
+
+
+# -- spill -------------------------------------------------------------------------------------
+
+
+def spill_table(points: Sequence[Mapping[str, Any]], modes: Sequence[str], args: Any) -> str:
+    references = ("speculative alone", "standard with the batch")
+    header = ["users", *(f"routed ({m})" for m in modes), *references, "adaptive vs the better", "worst TTFT"]
+    lines = [
+        f"## spill: interactive users beside a {args.batch}-request batch job ({args.kind}, "
+        f"{args.max_tokens}-token answers, {args.duration:g} s a point)\n",
+        "Median per-user tok/s of the interactive users; in brackets, how many of their requests the "
+        "speculative pool served.\n",
+        "| " + " | ".join(header) + " |",
+        "|" + "---:|" * len(header),
+    ]
+    for point in points:
+        cells = [str(point["users"])]
+        for mode in modes:
+            run = point[f"routed ({mode})"]
+            cells.append(f"{_f(run['per_user_tps'])} ({run['on_speculative']}/{run['requests']})")
+        cells += [_f(point[name]["per_user_tps"]) for name in references]
+        better = max(_num(point[name]["per_user_tps"]) for name in references)
+        first = point[f"routed ({modes[0]})"]
+        cells.append(f"{_num(first['per_user_tps']) / better:.0%}" if better == better and better else "–")
+        cells.append(f"{_f(first['ttft_worst'], 2)} s")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_spill(points: Sequence[Mapping[str, Any]], path: Path, title: str) -> None:
+    series = [key for key in points[0] if key != "users"]
+    users = [p["users"] for p in points]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in series:
+        left.plot(users, [_num(p[name]["per_user_tps"]) for p in points], marker="o", label=name)
+        right.plot(users, [_num(p[name]["ttft_worst"]) for p in points], marker="o", label=name)
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(users, [str(u) for u in users])
+        axis.set_xlabel("interactive users")
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=8)
+    left.set_ylabel("median per-user tok/s (interactive)")
+    right.set_ylabel("worst interactive first token (s)")
+    right.set_yscale("log")
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 # -- files -------------------------------------------------------------------------------------
