@@ -102,7 +102,10 @@ def test_interactive_users_spill_before_the_speculative_engine_queues(mode: str)
             # A request sits in the engine's waiting list until its next step; on a busy machine
             # that can take a moment. What must not happen is a queue that stays.
             deadline = time.monotonic() + 3
-            while (state := await asyncio.to_thread(_engine, fast))["waiting"] and time.monotonic() < deadline:
+            polling = True  # another process's state: there is no event to wait on
+            while polling:
+                state = await asyncio.to_thread(_engine, fast)
+                polling = bool(state["waiting"]) and time.monotonic() < deadline
                 await asyncio.sleep(0.05)
             _stop(tasks)
             await asyncio.gather(*tasks, return_exceptions=True)
