@@ -13,8 +13,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from router.auth import Auth
 from router.config import Settings
 from router.errors import MethodNotAllowed, NotFound, RouterError
+from router.headers import bearer
 from router.health import HealthChecker
 from router.learn import SpeedModel
 from router.metrics import Metrics
@@ -39,7 +41,8 @@ def create_app(settings: Settings, *, registry: CollectorRegistry | None = None)
         max_idle_per_origin=max(backend.max_concurrency for backend in pools.backends()),
     )
     clients = Clients(memory=settings.classify.client_memory_seconds)
-    proxy = Proxy(settings, pools=pools, clients=clients, speeds=speeds, metrics=metrics, upstream=upstream)
+    auth = Auth(settings.auth)
+    proxy = Proxy(settings, pools=pools, clients=clients, speeds=speeds, metrics=metrics, upstream=upstream, auth=auth)
     catalog = ModelCatalog(pools, upstream, ttl=settings.models_cache_seconds, timeout=settings.health.timeout)
     health = HealthChecker(pools, upstream, settings.health)
     scraper = EngineScraper(pools, upstream, interval=settings.scrape.interval, timeout=settings.scrape.timeout)
@@ -56,6 +59,7 @@ def create_app(settings: Settings, *, registry: CollectorRegistry | None = None)
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(request: Request) -> Response:
+        auth.check_client(bearer(request.headers.get("authorization")))
         return JSONResponse({"object": "list", "data": await catalog.models()})
 
     async def router_status(request: Request) -> Response:

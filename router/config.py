@@ -134,6 +134,15 @@ class Health(_Model):
     timeout: float = Field(default=2.0, gt=0)
 
 
+class Auth(_Model):
+    # Environment variable holding the client API keys (comma-separated); unset: no keys needed.
+    client_keys_env: str | None = None
+    # Environment variable holding the keys that may use the override headers; unset: anyone.
+    override_keys_env: str | None = None
+    # What override headers from other clients do: nothing (ignored) or a 403.
+    untrusted_overrides: Literal["ignore", "reject"] = "ignore"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECROUTE_", env_nested_delimiter="__", extra="forbid", frozen=True)
 
@@ -145,6 +154,7 @@ class Settings(BaseSettings):
     timeouts: Timeouts = Timeouts()
     health: Health = Health()
     scrape: Scrape = Scrape()
+    auth: Auth = Auth()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     models_cache_seconds: float = Field(default=5.0, ge=0)
     # Pass the client's Authorization header upstream when the backend has no key of its own.
@@ -227,6 +237,11 @@ def masked(settings: Settings) -> dict[str, Any]:
             env = backend["api_key_env"]
             if env:
                 backend["api_key_env"] = f"{env} ({'set' if os.environ.get(env) else 'NOT SET'})"
+    for field in ("client_keys_env", "override_keys_env"):
+        env = data["auth"][field]
+        if env:
+            count = len([k for k in os.environ.get(env, "").split(",") if k.strip()])
+            data["auth"][field] = f"{env} ({count} keys)"
     for rule in data["classify"]["rules"]:
         if rule["match"]["api_key"] is not None:
             rule["match"]["api_key"] = "***"

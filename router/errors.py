@@ -2,6 +2,8 @@
 
     RouterError
     ├── BadRequest            400  malformed JSON, bad override header
+    ├── Unauthorized          401  client keys are required and this is not one
+    ├── PermissionDenied      403  this key may not use an override header
     ├── NotFound              404
     ├── MethodNotAllowed      405
     ├── RequestTimeout        408  the body did not arrive in time
@@ -55,6 +57,16 @@ class RouterError(Exception):
 
 class BadRequest(RouterError):
     status_code = 400
+    error_type = "invalid_request_error"
+
+
+class Unauthorized(RouterError):
+    status_code = 401
+    error_type = "invalid_request_error"
+
+
+class PermissionDenied(RouterError):
+    status_code = 403
     error_type = "invalid_request_error"
 
 

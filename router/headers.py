@@ -56,3 +56,9 @@ def response_headers(upstream: Iterable[tuple[bytes, bytes]], route: Mapping[str
     headers = [(k, v) for k, v in upstream if k.decode("latin-1").lower() not in skip]
     headers.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in route.items())
     return headers
+
+
+def bearer(authorization: str | None) -> str | None:
+    if authorization and authorization[:7].lower() == "bearer ":
+        return authorization[7:].strip() or None
+    return None

@@ -21,6 +21,7 @@ import anyio
 from starlette.types import Receive, Scope, Send
 
 from router import sse
+from router.auth import Auth
 from router.classify import Classifier, RequestFacts, client_id
 from router.config import Settings
 from router.content import ContentKind, detect_kind, request_text
@@ -32,7 +33,7 @@ from router.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from router.headers import request_headers, response_headers
+from router.headers import bearer, request_headers, response_headers
 from router.learn import SpeedModel
 from router.metrics import Metrics
 from router.policy import Decision, Policy
@@ -76,8 +77,10 @@ class Proxy:
         speeds: SpeedModel,
         metrics: Metrics,
         upstream: UpstreamPool,
+        auth: Auth,
     ) -> None:
         self._settings = settings
+        self._auth = auth
         self._pools = pools
         self._clients = clients
         self._speeds = speeds
@@ -102,9 +105,13 @@ class Proxy:
         outcome = Outcome(headers.get("x-request-id") or uuid.uuid4().hex, scope["path"])
         client = None
         try:
+            api_key = bearer(headers.get("authorization"))
+            self._auth.check_client(api_key)  # before the body is read
+            for name in self._override_headers:
+                if name in headers and not self._auth.may_override(api_key, name):
+                    del headers[name]  # from this client it means nothing
             body = await self._read_body(headers, receive)
             payload = _parse_json(body)
-            api_key = _bearer(headers.get("authorization"))
             user = _field(payload, "user", str)
             address = scope["client"][0] if scope.get("client") else None
             client = client_id(api_key, user, address)
@@ -410,12 +417,6 @@ def _field(payload: dict[str, Any], key: str, kind: type[T]) -> T | None:
     value = payload.get(key)
     # bool is an int to Python, but `"n": true` is not a count.
     return value if isinstance(value, kind) and not isinstance(value, bool) else None
-
-
-def _bearer(authorization: str | None) -> str | None:
-    if authorization and authorization[:7].lower() == "bearer ":
-        return authorization[7:].strip() or None
-    return None
 
 
 async def _send_response(send: Send, response: Any) -> None:

@@ -52,6 +52,7 @@ def test_check_config_prints_resolved_settings_with_secrets_masked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("FAST_KEY", "sk-upstream-secret")
+    monkeypatch.setenv("CLIENT_KEYS", "sk-a,sk-b")
     path = tmp_path / "r.yaml"
     path.write_text(
         "pools:\n"
@@ -60,12 +61,14 @@ def test_check_config_prints_resolved_settings_with_secrets_masked(
         "    backends: {f1: {url: 'http://127.0.0.1:1', api_key_env: FAST_KEY}}\n"
         "classify:\n"
         "  rules: [{name: etl, job: batch, match: {api_key: sk-client-secret}}]\n"
+        "auth: {client_keys_env: CLIENT_KEYS}\n"
     )
     assert main(["check-config", str(path)]) == 0
     out = capsys.readouterr().out
     assert "sk-upstream-secret" not in out
     assert "sk-client-secret" not in out
     assert "FAST_KEY (set)" in out
+    assert "CLIENT_KEYS (2 keys)" in out and "sk-a" not in out
     assert '"max_body_bytes": 4194304' in out
 
 
