@@ -52,12 +52,16 @@ class ClientGone(Exception):
 
 
 @dataclass(slots=True)
-class Outcome:
-    """What happened to one request, for its metrics and its access-log line."""
+class Call:
+    """One request on its way through the router, and what happened to it."""
 
     request_id: str
     path: str
+    query: bytes
+    headers: dict[str, str]  # lower-cased names
     started: float = field(default_factory=time.perf_counter)
+    payload: dict[str, Any] = field(default_factory=dict)
+    body: bytes = b""  # as received; emptied when the payload must be re-encoded
     decision: Decision | None = None
     backend: Backend | None = None
     concurrency: int = 0  # requests on the backend when this one was sent, itself included
@@ -102,7 +106,7 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        outcome = Outcome(headers.get("x-request-id") or uuid.uuid4().hex, scope["path"])
+        call = Call(headers.get("x-request-id") or uuid.uuid4().hex, scope["path"], scope["query_string"], headers)
         client = None
         try:
             api_key = bearer(headers.get("authorization"))
@@ -110,8 +114,8 @@ class Proxy:
             for name in self._override_headers:
                 if name in headers and not self._auth.may_override(api_key, name):
                     del headers[name]  # from this client it means nothing
-            body = await self._read_body(headers, receive)
-            payload = _parse_json(body)
+            call.body = await self._read_body(headers, receive)
+            call.payload = payload = _parse_json(call.body)
             user = _field(payload, "user", str)
             address = scope["client"][0] if scope.get("client") else None
             client = client_id(api_key, user, address)
@@ -126,22 +130,22 @@ class Proxy:
             )
             classification = self._classifier.classify(facts)
             state = self._pools.snapshot(self._speeds, stale_after=self._settings.scrape.stale_after)
-            outcome.decision = decision = self._policy.decide(classification, self._content(payload), state)
+            call.decision = decision = self._policy.decide(classification, self._content(payload), state)
             self._metrics.decisions.labels(decision.job, decision.pool, decision.reason, decision.content).inc()
             if classification.rewrite_model is not None:
                 payload["model"] = classification.rewrite_model
-                body = b""  # re-encode below
+                call.body = b""  # re-encode below
             self._clients.start(client)
-            await self._serve_until_disconnect(scope, receive, send, headers, body, payload, outcome)
+            await self._serve_until_disconnect(receive, send, call)
         except ClientGone:
-            outcome.status = 499
+            call.status = 499
         except RouterError as exc:
-            outcome.status = exc.status_code
-            await _send_response(send, exc.response(self._route_headers(outcome)))
+            call.status = exc.status_code
+            await _send_response(send, exc.response(self._route_headers(call)))
         finally:
-            if client is not None and outcome.decision is not None:
+            if client is not None and call.decision is not None:
                 self._clients.finish(client)
-            self._finish(outcome)
+            self._finish(call)
 
     def _content(self, payload: dict[str, Any]) -> ContentKind:
         if payload.get("tools") or payload.get("functions"):
@@ -174,16 +178,7 @@ class Proxy:
             ) from exc
         return b"".join(chunks)
 
-    async def _serve_until_disconnect(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        headers: dict[str, str],
-        body: bytes,
-        payload: dict[str, Any],
-        outcome: Outcome,
-    ) -> None:
+    async def _serve_until_disconnect(self, receive: Receive, send: Send, call: Call) -> None:
         """Serve the request, cancelling everything (queue wait, upstream) if the client leaves."""
         gone = served = False
         error: RouterError | None = None
@@ -198,7 +193,7 @@ class Proxy:
         async with anyio.create_task_group() as group:
             group.start_soon(watch, group.cancel_scope)
             try:
-                await self._serve(scope, send, headers, body, payload, outcome)
+                await self._serve(send, call)
                 served = True
             except RouterError as exc:
                 error = exc  # raised outside the group, which would wrap it in an ExceptionGroup
@@ -208,40 +203,24 @@ class Proxy:
         if error is not None:
             raise error
 
-    async def _serve(
-        self,
-        scope: Scope,
-        send: Send,
-        headers: dict[str, str],
-        body: bytes,
-        payload: dict[str, Any],
-        outcome: Outcome,
-    ) -> None:
-        assert outcome.decision is not None
-        pool = self._pools[outcome.decision.pool]
+    async def _serve(self, send: Send, call: Call) -> None:
+        assert call.decision is not None
+        pool = self._pools[call.decision.pool]
         queued_at = time.perf_counter()
-        backend = await pool.acquire(outcome.decision.job)
-        self._metrics.queue_wait.labels(pool.name, outcome.decision.job).observe(time.perf_counter() - queued_at)
-        outcome.backend = backend
-        outcome.concurrency = backend.concurrency(time.monotonic(), self._settings.scrape.stale_after)
+        backend = await pool.acquire(call.decision.job)
+        self._metrics.queue_wait.labels(pool.name, call.decision.job).observe(time.perf_counter() - queued_at)
+        call.backend = backend
+        call.concurrency = backend.concurrency(time.monotonic(), self._settings.scrape.stale_after)
         try:
-            await self._forward(scope, send, headers, body, payload, backend, outcome)
+            await self._forward(send, call, backend)
         finally:
-            pool.release(backend, duration=time.perf_counter() - outcome.started)
+            pool.release(backend, duration=time.perf_counter() - call.started)
 
-    async def _forward(
-        self,
-        scope: Scope,
-        send: Send,
-        headers: dict[str, str],
-        body: bytes,
-        payload: dict[str, Any],
-        backend: Backend,
-        outcome: Outcome,
-    ) -> None:
+    async def _forward(self, send: Send, call: Call, backend: Backend) -> None:
+        payload, body = call.payload, call.body
         streaming = payload.get("stream") is True
         drop_usage_chunk = False
-        if streaming and scope["path"] in _USAGE_PATHS:
+        if streaming and call.path in _USAGE_PATHS:
             options = payload.get("stream_options")
             if not (isinstance(options, dict) and options.get("include_usage") is True):
                 # Ask for the token counts; the client did not, so the extra chunk is removed.
@@ -251,13 +230,13 @@ class Proxy:
         if not body:
             body = json.dumps(payload, separators=(",", ":")).encode()
 
-        url = backend.url + scope["path"]
-        if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
+        url = backend.url + call.path
+        if call.query:
+            url += "?" + call.query.decode("latin-1")
         upstream_headers = request_headers(
-            headers,
+            call.headers,
             drop=self._override_headers,
-            request_id=outcome.request_id,
+            request_id=call.request_id,
             api_key=backend.api_key,
             forward_authorization=self._settings.forward_client_authorization,
         )
@@ -266,58 +245,56 @@ class Proxy:
         except TransportError as exc:
             raise self._upstream_failure(backend, exc) from exc
         try:
-            outcome.status = response.status_code
+            call.status = response.status_code
             if response.status_code >= 500:
                 self._metrics.upstream_errors.labels(backend.pool, backend.name, "http_5xx").inc()
             content_type = response.header(b"content-type") or b""
             if streaming and content_type.startswith(b"text/event-stream"):
-                await self._relay_stream(send, response, drop_usage_chunk, outcome)
+                await self._relay_stream(send, response, drop_usage_chunk, call)
             else:
-                await self._relay_whole(send, response, content_type, outcome)
+                await self._relay_whole(send, response, content_type, call)
         finally:
             await response.aclose()
 
-    async def _relay_whole(self, send: Send, response: UpstreamResponse, content_type: bytes, outcome: Outcome) -> None:
+    async def _relay_whole(self, send: Send, response: UpstreamResponse, content_type: bytes, call: Call) -> None:
         try:
             content = await response.read()
         except TransportError as exc:
-            assert outcome.backend is not None
-            raise self._upstream_failure(outcome.backend, exc) from exc
+            assert call.backend is not None
+            raise self._upstream_failure(call.backend, exc) from exc
         if response.status_code < 400 and content_type.startswith(b"application/json"):
             try:
                 usage = json.loads(content).get("usage")
             except (ValueError, AttributeError):
                 usage = None
-            outcome.tokens = sse.completion_tokens(usage)
-            outcome.prompt_tokens = sse.prompt_tokens(usage)
-        headers = response_headers(response.headers, self._route_headers(outcome))
+            call.tokens = sse.completion_tokens(usage)
+            call.prompt_tokens = sse.prompt_tokens(usage)
+        headers = response_headers(response.headers, self._route_headers(call))
         headers.append((b"content-length", str(len(content)).encode()))
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": content})
 
-    async def _relay_stream(
-        self, send: Send, response: UpstreamResponse, drop_usage_chunk: bool, outcome: Outcome
-    ) -> None:
+    async def _relay_stream(self, send: Send, response: UpstreamResponse, drop_usage_chunk: bool, call: Call) -> None:
         watch = sse.StreamWatch(drop_usage_chunk=drop_usage_chunk)
-        headers = response_headers(response.headers, self._route_headers(outcome))
+        headers = response_headers(response.headers, self._route_headers(call))
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
         # From here on a byte has gone to the client: nothing may be retried, failures end the
         # stream with an error event.
         try:
             async for chunk in response.iter_raw():
                 out = watch.feed(chunk)
-                if watch.saw_content and outcome.ttft is None:
-                    outcome.ttft = time.perf_counter() - outcome.started
+                if watch.saw_content and call.ttft is None:
+                    call.ttft = time.perf_counter() - call.started
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             tail = watch.flush()
         except TransportError as exc:
-            assert outcome.backend is not None
-            error = self._upstream_failure(outcome.backend, exc)
-            outcome.status = error.status_code
+            assert call.backend is not None
+            error = self._upstream_failure(call.backend, exc)
+            call.status = error.status_code
             tail = b"data: " + json.dumps(error.body()).encode() + b"\n\n"
-        outcome.tokens = watch.completion_tokens
-        outcome.prompt_tokens = sse.prompt_tokens(watch.usage)
+        call.tokens = watch.completion_tokens
+        call.prompt_tokens = sse.prompt_tokens(watch.usage)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     def _upstream_failure(self, backend: Backend, exc: TransportError) -> UpstreamError:
@@ -336,62 +313,62 @@ class Proxy:
         self._metrics.upstream_errors.labels(backend.pool, backend.name, kind).inc()
         return error
 
-    def _learn(self, backend: Backend, outcome: Outcome, speed: float) -> None:
-        assert outcome.decision is not None
+    def _learn(self, backend: Backend, call: Call, speed: float) -> None:
+        assert call.decision is not None
         engine = backend.engine
         fresh = engine.fresh(time.monotonic(), self._settings.scrape.stale_after)
         self._speeds.observe(
             backend.name,
-            outcome.decision.content,
-            concurrency=outcome.concurrency,
+            call.decision.content,
+            concurrency=call.concurrency,
             speed=speed,
             gain=engine.accept_length if fresh else None,
         )
 
-    def _route_headers(self, outcome: Outcome) -> dict[str, str]:
-        headers = {"x-request-id": outcome.request_id}
-        if outcome.decision is not None:
-            headers["x-route-pool"] = outcome.decision.pool
-            headers["x-job-type"] = outcome.decision.job
-            headers["x-route-reason"] = outcome.decision.reason
-        if outcome.backend is not None:
-            headers["x-route-backend"] = outcome.backend.name
+    def _route_headers(self, call: Call) -> dict[str, str]:
+        headers = {"x-request-id": call.request_id}
+        if call.decision is not None:
+            headers["x-route-pool"] = call.decision.pool
+            headers["x-job-type"] = call.decision.job
+            headers["x-route-reason"] = call.decision.reason
+        if call.backend is not None:
+            headers["x-route-backend"] = call.backend.name
         return headers
 
-    def _finish(self, outcome: Outcome) -> None:
-        decision, backend = outcome.decision, outcome.backend
+    def _finish(self, call: Call) -> None:
+        decision, backend = call.decision, call.backend
         pool = decision.pool if decision else ""
         name = backend.name if backend else ""
-        self._metrics.requests.labels(pool, name, decision.job if decision else "", str(outcome.status)).inc()
+        self._metrics.requests.labels(pool, name, decision.job if decision else "", str(call.status)).inc()
         if backend is not None:
-            if outcome.ttft is not None:
-                self._metrics.ttft.labels(pool, name).observe(outcome.ttft)
-                backend.recent_ttft.append(outcome.ttft)
-            if outcome.tokens:
-                self._metrics.completion_tokens.labels(pool, name).inc(outcome.tokens)
-                if outcome.ttft is not None and outcome.tokens > 1 and outcome.status < 400:
-                    elapsed = time.perf_counter() - outcome.started - outcome.ttft
-                    self._metrics.tpot.labels(pool, name).observe(elapsed / (outcome.tokens - 1))
-                    self._learn(backend, outcome, (outcome.tokens - 1) / elapsed)
-            if outcome.prompt_tokens:
-                self._metrics.prompt_tokens.labels(pool, name).inc(outcome.prompt_tokens)
+            if call.ttft is not None:
+                self._metrics.ttft.labels(pool, name).observe(call.ttft)
+                backend.recent_ttft.append(call.ttft)
+            if call.tokens:
+                self._metrics.completion_tokens.labels(pool, name).inc(call.tokens)
+                if call.ttft is not None and call.tokens > 1 and call.status < 400:
+                    elapsed = time.perf_counter() - call.started - call.ttft
+                    self._metrics.tpot.labels(pool, name).observe(elapsed / (call.tokens - 1))
+                    self._learn(backend, call, (call.tokens - 1) / elapsed)
+            if call.prompt_tokens:
+                self._metrics.prompt_tokens.labels(pool, name).inc(call.prompt_tokens)
         if access_log.isEnabledFor(logging.INFO):
-            access_log.info(_access_line(outcome))
+            access_log.info(_access_line(call))
 
 
-def _access_line(outcome: Outcome) -> str:
-    decision = outcome.decision
+def _access_line(call: Call) -> str:
+    decision = call.decision
     fields = {
-        "id": outcome.request_id,
-        "path": outcome.path,
+        "id": call.request_id,
+        "path": call.path,
         "pool": decision.pool if decision else "-",
-        "backend": outcome.backend.name if outcome.backend else "-",
+        "backend": call.backend.name if call.backend else "-",
         "job": decision.job if decision else "-",
         "reason": decision.reason if decision else "-",
-        "status": str(outcome.status),
-        "ttft_ms": f"{outcome.ttft * 1000:.0f}" if outcome.ttft is not None else "-",
-        "tokens": str(outcome.tokens) if outcome.tokens is not None else "-",
-        "duration_ms": f"{(time.perf_counter() - outcome.started) * 1000:.0f}",
+        "status": str(call.status),
+        "ttft_ms": f"{call.ttft * 1000:.0f}" if call.ttft is not None else "-",
+        "tokens": str(call.tokens) if call.tokens is not None else "-",
+        "duration_ms": f"{(time.perf_counter() - call.started) * 1000:.0f}",
     }
     return " ".join(f"{key}={_escape(value)}" for key, value in fields.items())
 
