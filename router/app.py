@@ -38,6 +38,7 @@ def create_app(settings: Settings, *, registry: CollectorRegistry | None = None)
     upstream = UpstreamPool(
         connect_timeout=settings.timeouts.connect,
         read_timeout=settings.timeouts.read,
+        idle_timeout=settings.timeouts.idle,
         max_idle_per_origin=max(backend.max_concurrency for backend in pools.backends()),
     )
     clients = Clients(memory=settings.classify.client_memory_seconds)
@@ -67,7 +68,7 @@ def create_app(settings: Settings, *, registry: CollectorRegistry | None = None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await health.check_all()
+        await health.check_all(first=True)
         tasks = [asyncio.create_task(health.run()), asyncio.create_task(scraper.run())]
         try:
             yield

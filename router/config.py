@@ -123,15 +123,36 @@ class Scrape(_Model):
 
 class Timeouts(_Model):
     connect: float = Field(default=5.0, gt=0)
-    # Longest silence from the upstream: before the response starts and between chunks.
+    # Longest wait for the response to start (a whole answer, when it is not streamed).
     read: float = Field(default=600.0, gt=0)
+    # Longest silence between chunks once a response has started: a stalled stream ends here.
+    idle: float = Field(default=60.0, gt=0)
     # Longest time a client may take to send its request body.
     client_body: float = Field(default=30.0, gt=0)
 
 
 class Health(_Model):
+    # Active checks: GET /health of every backend.
     interval: float = Field(default=5.0, gt=0)
     timeout: float = Field(default=2.0, gt=0)
+    unhealthy_after: int = Field(default=2, ge=1)  # failed probes in a row that take a backend out
+    healthy_after: int = Field(default=2, ge=1)  # good probes in a row that bring it back
+    # Passive ejection: requests that fail in a row (no connection, 5xx, timeout) take a backend
+    # out for ejection_seconds, doubling each time it is ejected again before a success.
+    eject_after: int = Field(default=3, ge=1)
+    ejection_seconds: float = Field(default=10.0, gt=0)
+    max_ejection_seconds: float = Field(default=300.0, gt=0)
+
+
+class Retries(_Model):
+    # Failures before any byte reached the client (no connection, 502/503/504, no response) are
+    # tried again: on another backend of the pool, then on another pool (same model).
+    attempts: int = Field(default=3, ge=1)  # in all, the first included
+    deadline: float = Field(default=30.0, gt=0)  # no new attempt this long after the first
+    cross_pool: bool = True
+    # At most this share of the requests in flight may be retries (and always min_concurrent).
+    budget: float = Field(default=0.2, ge=0, le=1)
+    min_concurrent: int = Field(default=3, ge=0)
 
 
 class Auth(_Model):
@@ -154,6 +175,7 @@ class Settings(BaseSettings):
     timeouts: Timeouts = Timeouts()
     health: Health = Health()
     scrape: Scrape = Scrape()
+    retries: Retries = Retries()
     auth: Auth = Auth()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     models_cache_seconds: float = Field(default=5.0, ge=0)

@@ -1,8 +1,14 @@
-"""Active health checks: each backend's `/health`, probed on an interval."""
+"""Active health checks: each backend's `/health`, probed on an interval.
+
+A backend leaves after `unhealthy_after` failed probes in a row and comes back after
+`healthy_after` good ones; one ejected for failing requests (see `Backend.request_failed`) sits
+out its ejection time first.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from router.config import Health
 from router.pools import Backend, Pools
@@ -20,15 +26,18 @@ class HealthChecker:
             await asyncio.sleep(self._config.interval)
             await self.check_all()
 
-    async def check_all(self) -> None:
-        await asyncio.gather(*(self._check(backend) for backend in self._pools.backends()))
+    async def check_all(self, *, first: bool = False) -> None:
+        """Probe every backend; `first` (at start-up) takes each result at once."""
+        await asyncio.gather(*(self._check(backend, first) for backend in self._pools.backends()))
         for pool in self._pools:
             pool.wake()
 
-    async def _check(self, backend: Backend) -> None:
+    async def _check(self, backend: Backend, first: bool) -> None:
+        # Probes go straight to the engine: they are not requests, and count in no metric.
         try:
             async with asyncio.timeout(self._config.timeout):
                 status, _ = await self._upstream.get(backend.url + "/health")
-            backend.healthy = status == 200
+            ok = status == 200
         except (TransportError, TimeoutError):
-            backend.healthy = False
+            ok = False
+        backend.probed(ok, time.monotonic(), self._config, first=first)

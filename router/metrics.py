@@ -73,6 +73,12 @@ class Metrics:
             ["pool", "backend", "kind"],
             registry=registry,
         )
+        self.retries = Counter(
+            "specroute_retries",
+            "Attempts tried again elsewhere after a failure before the first byte, by the failed backend and why.",
+            ["pool", "backend", "reason"],
+            registry=registry,
+        )
         self.decisions = Counter(
             "specroute_route_decisions",
             "Routing decisions by job class, pool, reason and content kind.",

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from router.config import Backend as BackendConfig
+from router.config import Health as HealthConfig
 from router.config import JobClass, Settings
 from router.content import ContentKind
 from router.errors import NoBackendAvailable
@@ -35,6 +36,10 @@ class Backend:
         self.in_flight = 0
         self.healthy = True
         self.engine = EngineLoad()  # the latest scrape of its /metrics
+        self._probes_failed = self._probes_passed = 0  # in a row
+        self._requests_failed = 0  # in a row
+        self.ejections = 0  # in a row, without a success between
+        self.ejected_until = 0.0
         self.recent_ttft: deque[float] = deque(maxlen=256)
 
     def concurrency(self, now: float, stale_after: float) -> int:
@@ -52,6 +57,34 @@ class Backend:
     @property
     def load(self) -> float:
         return self.in_flight / self.max_concurrency
+
+    def probed(self, ok: bool, now: float, config: HealthConfig, *, first: bool = False) -> None:
+        """An active health check's result; `first` (at start-up) decides at once."""
+        if now < self.ejected_until:
+            return  # ejected backends sit out their time whatever the probes say
+        if ok:
+            self._probes_failed, self._probes_passed = 0, self._probes_passed + 1
+            if first or self._probes_passed >= config.healthy_after:
+                self.healthy = True
+        else:
+            self._probes_failed, self._probes_passed = self._probes_failed + 1, 0
+            if first or self._probes_failed >= config.unhealthy_after:
+                self.healthy = False
+
+    def request_failed(self, now: float, config: HealthConfig) -> bool:
+        """A request failed on this backend; returns True if that ejected it."""
+        self._requests_failed += 1
+        if self._requests_failed < config.eject_after or not self.healthy:
+            return False
+        self.ejections += 1
+        self.ejected_until = now + min(config.max_ejection_seconds, config.ejection_seconds * 2 ** (self.ejections - 1))
+        self.healthy = False
+        self._requests_failed = self._probes_passed = 0
+        return True
+
+    def request_succeeded(self) -> None:
+        self._requests_failed = 0
+        self.ejections = 0
 
     @property
     def has_room(self) -> bool:
@@ -92,15 +125,17 @@ class Pool:
     def healthy(self) -> bool:
         return any(backend.healthy for backend in self.backends)
 
-    async def acquire(self, job: JobClass) -> Backend:
+    async def acquire(self, job: JobClass, *, exclude: frozenset[str] = frozenset()) -> Backend:
         if not self.healthy:
             raise NoBackendAvailable(
                 f"pool {self.name!r} has no healthy backend", retry_after=5, code="pool_unavailable"
             )
-        if not self.queued():
-            backend = self._take()
+        if not self.queued() or exclude:
+            backend = self._take(exclude)
             if backend is not None:
                 return backend
+            if exclude:
+                raise NoBackendAvailable(f"pool {self.name!r} has no other backend free", code="pool_unavailable")
         if self.queued() >= self.queue_size:
             raise NoBackendAvailable(
                 f"pool {self.name!r} is full and its queue holds {self.queue_size} requests",
@@ -145,8 +180,12 @@ class Pool:
             queue = self._waiters["interactive"] or self._waiters["batch"]
             queue.popleft().set_result(backend)
 
-    def _take(self) -> Backend | None:
-        candidates = [b for b in self.backends if b.has_room]
+    def has_other(self, exclude: frozenset[str]) -> bool:
+        """Whether a healthy backend not in `exclude` has room now (for a retry)."""
+        return any(b.has_room and b.name not in exclude for b in self.backends)
+
+    def _take(self, exclude: frozenset[str] = frozenset()) -> Backend | None:
+        candidates = [b for b in self.backends if b.has_room and b.name not in exclude]
         if not candidates:
             return None
         backend = min(candidates, key=lambda b: b.load)

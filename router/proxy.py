@@ -14,11 +14,12 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 from starlette.types import Receive, Scope, Send
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay
 
 from router import sse
 from router.auth import Auth
@@ -47,8 +48,21 @@ T = TypeVar("T")
 _USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
+# Upstream answers that mean "not now, try elsewhere" (RFC 9110 §15.6), retried before the first byte.
+_RETRYABLE_STATUS = frozenset({502, 503, 504})
+
+
 class ClientGone(Exception):
     """The client closed its connection."""
+
+
+class _Retry(Exception):
+    """A failure before any byte reached the client, to be tried again elsewhere."""
+
+    def __init__(self, error: RouterError, reason: str) -> None:
+        super().__init__(reason)
+        self.error = error
+        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -90,6 +104,7 @@ class Proxy:
         self._speeds = speeds
         self._metrics = metrics
         self._upstream = upstream
+        self._retrying = 0  # attempts under way that are retries, for the retry budget
         self._classifier = Classifier(
             settings.classify,
             pool_header=settings.headers.pool,
@@ -204,36 +219,50 @@ class Proxy:
             raise error
 
     async def _serve(self, send: Send, call: Call) -> None:
+        """Send the request upstream; before any byte has gone to the client, try again elsewhere."""
+        body, drop_usage_chunk = self._upstream_body(call)
+        config = self._settings.retries
+        tried: set[str] = set()
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(config.attempts) | stop_after_delay(config.deadline),
+            retry=retry_if_exception_type(_Retry),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    if tried:
+                        self._reroute(call, frozenset(tried))
+                    last = attempt.retry_state.attempt_number >= config.attempts
+                    await self._attempt(send, call, body, drop_usage_chunk, tried, last=last)
+        except _Retry as exc:  # the deadline ran out between a failure and its retry
+            raise exc.error from exc
+
+    async def _attempt(
+        self, send: Send, call: Call, body: bytes, drop_usage_chunk: bool, tried: set[str], *, last: bool
+    ) -> None:
         assert call.decision is not None
+        retry = bool(tried)
         pool = self._pools[call.decision.pool]
         queued_at = time.perf_counter()
-        backend = await pool.acquire(call.decision.job)
+        backend = await pool.acquire(call.decision.job, exclude=frozenset(tried))
         self._metrics.queue_wait.labels(pool.name, call.decision.job).observe(time.perf_counter() - queued_at)
+        tried.add(backend.name)
         call.backend = backend
         call.concurrency = backend.concurrency(time.monotonic(), self._settings.scrape.stale_after)
+        self._retrying += retry
         try:
-            await self._forward(send, call, backend)
+            may_retry = not last and self._retry_allowed() and self._next_pool(call, frozenset(tried)) is not None
+            await self._forward(send, call, backend, body, drop_usage_chunk, may_retry=may_retry)
         finally:
+            self._retrying -= retry
             pool.release(backend, duration=time.perf_counter() - call.started)
 
-    async def _forward(self, send: Send, call: Call, backend: Backend) -> None:
-        payload, body = call.payload, call.body
-        streaming = payload.get("stream") is True
-        drop_usage_chunk = False
-        if streaming and call.path in _USAGE_PATHS:
-            options = payload.get("stream_options")
-            if not (isinstance(options, dict) and options.get("include_usage") is True):
-                # Ask for the token counts; the client did not, so the extra chunk is removed.
-                payload["stream_options"] = {**(options or {}), "include_usage": True}
-                drop_usage_chunk = True
-                body = b""
-        if not body:
-            body = json.dumps(payload, separators=(",", ":")).encode()
-
-        url = backend.url + call.path
-        if call.query:
-            url += "?" + call.query.decode("latin-1")
-        upstream_headers = request_headers(
+    async def _forward(
+        self, send: Send, call: Call, backend: Backend, body: bytes, drop_usage_chunk: bool, *, may_retry: bool
+    ) -> None:
+        url = backend.url + call.path + (f"?{call.query.decode('latin-1')}" if call.query else "")
+        headers = request_headers(
             call.headers,
             drop=self._override_headers,
             request_id=call.request_id,
@@ -241,27 +270,78 @@ class Proxy:
             forward_authorization=self._settings.forward_client_authorization,
         )
         try:
-            response = await self._upstream.request(url, headers=upstream_headers, body=body)
+            response = await self._upstream.request(url, headers=headers, body=body)
         except TransportError as exc:
-            raise self._upstream_failure(backend, exc) from exc
+            self._failed(backend, exc, may_retry=may_retry)
         try:
-            call.status = response.status_code
-            if response.status_code >= 500:
+            status = response.status_code
+            call.status = status
+            if status in _RETRYABLE_STATUS:
+                self._metrics.upstream_errors.labels(backend.pool, backend.name, f"http_{status}").inc()
+                backend.request_failed(time.monotonic(), self._settings.health)
+                if may_retry:
+                    self._metrics.retries.labels(backend.pool, backend.name, f"http_{status}").inc()
+                    raise _Retry(UpstreamError(f"backend {backend.name!r} answered {status}"), f"http_{status}")
+            elif status >= 500:
                 self._metrics.upstream_errors.labels(backend.pool, backend.name, "http_5xx").inc()
-            content_type = response.header(b"content-type") or b""
-            if streaming and content_type.startswith(b"text/event-stream"):
-                await self._relay_stream(send, response, drop_usage_chunk, call)
             else:
-                await self._relay_whole(send, response, content_type, call)
+                backend.request_succeeded()
+            content_type = response.header(b"content-type") or b""
+            if call.payload.get("stream") is True and content_type.startswith(b"text/event-stream"):
+                await self._relay_stream(send, response, drop_usage_chunk, call)
+                return
+            try:
+                content = await response.read()  # nothing has gone to the client yet
+            except TransportError as exc:
+                self._failed(backend, exc, may_retry=may_retry)
+            await self._relay_whole(send, response, content, content_type, call)
         finally:
             await response.aclose()
 
-    async def _relay_whole(self, send: Send, response: UpstreamResponse, content_type: bytes, call: Call) -> None:
-        try:
-            content = await response.read()
-        except TransportError as exc:
-            assert call.backend is not None
-            raise self._upstream_failure(call.backend, exc) from exc
+    def _upstream_body(self, call: Call) -> tuple[bytes, bool]:
+        """The body to send upstream, and whether the usage chunk of its stream is ours to drop."""
+        payload = call.payload
+        if payload.get("stream") is True and call.path in _USAGE_PATHS:
+            options = payload.get("stream_options")
+            if not (isinstance(options, dict) and options.get("include_usage") is True):
+                # Ask for the token counts; the client did not, so the extra chunk is removed.
+                payload["stream_options"] = {**(options or {}), "include_usage": True}
+                return json.dumps(payload, separators=(",", ":")).encode(), True
+        return call.body or json.dumps(payload, separators=(",", ":")).encode(), False
+
+    def _failed(self, backend: Backend, exc: TransportError, *, may_retry: bool) -> NoReturn:
+        """A failure before any byte reached the client: retry it if allowed, else report it."""
+        error, kind = self._upstream_failure(backend, exc)
+        backend.request_failed(time.monotonic(), self._settings.health)
+        if may_retry:
+            self._metrics.retries.labels(backend.pool, backend.name, kind).inc()
+            raise _Retry(error, kind) from exc
+        raise error from exc
+
+    def _retry_allowed(self) -> bool:
+        """The retry budget: a share of the requests in flight, and always a few."""
+        config = self._settings.retries
+        in_flight = sum(pool.in_flight for pool in self._pools)
+        return self._retrying < max(config.min_concurrent, config.budget * in_flight)
+
+    def _next_pool(self, call: Call, tried: frozenset[str]) -> str | None:
+        """Where a retry would go: another backend of the same pool, else another pool."""
+        assert call.decision is not None
+        if self._pools[call.decision.pool].has_other(tried):
+            return call.decision.pool
+        if not self._settings.retries.cross_pool or call.decision.reason == "pinned":
+            return None
+        return next((pool.name for pool in self._pools if pool.has_other(tried)), None)
+
+    def _reroute(self, call: Call, tried: frozenset[str]) -> None:
+        assert call.decision is not None
+        target = self._next_pool(call, tried)
+        if target is not None and target != call.decision.pool:
+            call.decision = replace(call.decision, pool=target, reason=f"failover:{call.decision.pool}")
+
+    async def _relay_whole(
+        self, send: Send, response: UpstreamResponse, content: bytes, content_type: bytes, call: Call
+    ) -> None:
         if response.status_code < 400 and content_type.startswith(b"application/json"):
             try:
                 usage = json.loads(content).get("usage")
@@ -290,20 +370,20 @@ class Proxy:
             tail = watch.flush()
         except TransportError as exc:
             assert call.backend is not None
-            error = self._upstream_failure(call.backend, exc)
+            error, _ = self._upstream_failure(call.backend, exc)
+            call.backend.request_failed(time.monotonic(), self._settings.health)
             call.status = error.status_code
             tail = b"data: " + json.dumps(error.body()).encode() + b"\n\n"
         call.tokens = watch.completion_tokens
         call.prompt_tokens = sse.prompt_tokens(watch.usage)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
-    def _upstream_failure(self, backend: Backend, exc: TransportError) -> UpstreamError:
-        """The one place where the transport's exceptions become the router's."""
+    def _upstream_failure(self, backend: Backend, exc: TransportError) -> tuple[UpstreamError, str]:
+        """The one place where the transport's exceptions become the router's: (error, kind)."""
         error: UpstreamError
         if isinstance(exc, ConnectError):
             kind = "connect"
             error = UpstreamError(f"backend {backend.name!r} is unreachable", code="upstream_unreachable")
-            backend.healthy = False  # the health checker readmits it
         elif isinstance(exc, ReadTimeout):
             kind = "timeout"
             error = UpstreamTimeout(f"backend {backend.name!r} timed out", code="upstream_timeout")
@@ -311,7 +391,7 @@ class Proxy:
             kind = "protocol"
             error = UpstreamError(f"backend {backend.name!r} failed: {type(exc).__name__}", code="upstream_failed")
         self._metrics.upstream_errors.labels(backend.pool, backend.name, kind).inc()
-        return error
+        return error, kind
 
     def _learn(self, backend: Backend, call: Call, speed: float) -> None:
         assert call.decision is not None

@@ -8,7 +8,7 @@ take and return), and hands body bytes to the caller as the socket delivers them
 
     TransportError           (named as in HTTPX)
     ├── ConnectError         could not connect (refused, unreachable, connect timeout)
-    ├── ReadTimeout          no byte within the read timeout, before or between chunks
+    ├── ReadTimeout          no response within the read timeout, or a body silent for the idle timeout
     └── RemoteProtocolError  the connection broke or the response was not HTTP
 """
 
@@ -45,8 +45,9 @@ class RemoteProtocolError(TransportError):
 class _Connection(asyncio.Protocol):
     """One TCP connection; parses responses into status, headers and a queue of body chunks."""
 
-    def __init__(self, read_timeout: float) -> None:
-        self.read_timeout = read_timeout
+    def __init__(self, read_timeout: float, idle_timeout: float) -> None:
+        self.read_timeout = read_timeout  # until the response starts
+        self.idle_timeout = idle_timeout  # between pieces of the body, once it has
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self._parser = httptools.HttpResponseParser(self)
@@ -130,10 +131,10 @@ class _Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         self._waiter = loop.create_future()
         try:
-            async with asyncio.timeout(self.read_timeout):
+            async with asyncio.timeout(limit := self.idle_timeout if self.headers_done else self.read_timeout):
                 await self._waiter
         except TimeoutError as exc:
-            raise ReadTimeout(f"no data from the engine within {self.read_timeout:g} s") from exc
+            raise ReadTimeout(f"no data from the engine within {limit:g} s") from exc
         finally:
             self._waiter = None
         if self._error is not None:
@@ -208,9 +209,17 @@ class UpstreamResponse:
 class UpstreamPool:
     """Keep-alive connections to every engine, idle ones on a stack per origin."""
 
-    def __init__(self, *, connect_timeout: float, read_timeout: float, max_idle_per_origin: int = 256) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        idle_timeout: float | None = None,
+        max_idle_per_origin: int = 256,
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        self.idle_timeout = read_timeout if idle_timeout is None else idle_timeout
         self.max_idle = max_idle_per_origin
         self._idle: dict[str, list[_Connection]] = {}
         self.in_use = 0  # responses handed out and not yet closed
@@ -279,7 +288,7 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, connection = await loop.create_connection(
-                    lambda: _Connection(self.read_timeout),
+                    lambda: _Connection(self.read_timeout, self.idle_timeout),
                     host,
                     port,
                     ssl=context,

@@ -22,6 +22,7 @@ class Cluster:
         self, fast: FakeEngine, team: FakeEngine, router: ServerThread, app: Starlette, registry: CollectorRegistry
     ) -> None:
         self.fast = fast
+        self.more_fast: list[FakeEngine] = []  # fast-2, fast-3, ...
         self.app = app
         self.team = team
         self.router = router
@@ -68,16 +69,26 @@ def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextmanager
-def running_cluster(**overrides: Any) -> Iterator[Cluster]:
+def running_cluster(*, fast_backends: int = 1, **overrides: Any) -> Iterator[Cluster]:
+    """Fake engines and a router; `fast_backends` > 1 adds engines `fast-2`, ... to pool `fast`."""
     with ExitStack() as stack:
         fast, team = FakeEngine(), FakeEngine()
         fast_server = stack.enter_context(ServerThread(fast.app()))
         team_server = stack.enter_context(ServerThread(team.app()))
+        more = [FakeEngine() for _ in range(fast_backends - 1)]
+        extra = {
+            f"fast-{i + 2}": {"url": stack.enter_context(ServerThread(engine.app())).url, "max_concurrency": 8}
+            for i, engine in enumerate(more)
+        }
         registry = CollectorRegistry()
-        settings = settings_for(fast_server.url, team_server.url, **overrides)
+        settings = settings_for(
+            fast_server.url, team_server.url, **_merge({"pools": {"fast": {"backends": extra}}}, overrides)
+        )
         app = create_app(settings, registry=registry)
         router = stack.enter_context(ServerThread(app, fast=True))
-        yield Cluster(fast, team, router, app, registry)
+        cluster = Cluster(fast, team, router, app, registry)
+        cluster.more_fast = more
+        yield cluster
 
 
 @pytest.fixture

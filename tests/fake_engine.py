@@ -35,6 +35,11 @@ class FakeEngine:
     open: int = 0  # requests being served right now
     aborted: int = 0  # requests whose client went away before the end
     healthy: bool = True
+    # Faults, for the reliability tests.
+    fail_status: int | None = None  # answer this status instead...
+    fail_count: int = -1  # ...this many times (-1: always)
+    die_after: int | None = None  # drop the connection after this many streamed tokens
+    stall_after: int | None = None  # go silent after this many streamed tokens
 
     def wait_idle(self, timeout: float = 1.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -84,6 +89,10 @@ class FakeEngine:
 
     async def _generate(self, request: Request) -> Response:
         body = await self._record(request)
+        if self.fail_status is not None and self.fail_count != 0:
+            self.fail_count -= 1
+            error = {"message": "overloaded", "type": "ServiceUnavailableError", "param": None, "code": 503}
+            return JSONResponse({"error": error}, status_code=self.fail_status)
         if body.get("model") != self.model:
             return JSONResponse(
                 {
@@ -139,6 +148,10 @@ class FakeEngine:
                 yield _event({**base, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
             await asyncio.sleep(self.first_token_delay)
             for i in range(tokens):
+                if i == self.die_after:
+                    raise ConnectionAbortedError("fake engine dies mid-stream")
+                if i == self.stall_after:
+                    await asyncio.sleep(3600)
                 if i:
                     await asyncio.sleep(self.token_delay)
                 piece = f"w{i} "

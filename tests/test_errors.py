@@ -125,7 +125,7 @@ def _dead_url(placeholder: socket.socket) -> str:
 def test_unreachable_backend_is_502_then_503(make_cluster: Any) -> None:
     with socket.socket() as placeholder:
         dead = {"fast": {"backends": {"fast-1": {"url": _dead_url(placeholder)}}}}
-        with make_cluster(pools=dead, routing={"mode": "static"}) as cluster:
+        with make_cluster(pools=dead, routing={"mode": "static"}, retries={"attempts": 1}) as cluster:
             # The startup health check found it down: fail fast, with a hint when to retry.
             response = httpx.post(cluster.base_url + "/completions", json={"model": "test-model"})
             _assert_openai_error(response, 503, "pool_unavailable")
