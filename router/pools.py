@@ -9,6 +9,7 @@ A queued request is not yet bound to a backend, so the queue belongs to the pool
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections import deque
@@ -153,7 +154,8 @@ class Pool:
                 self.release(waiter.result())
             else:
                 waiter.cancel()
-                self._waiters[job].remove(waiter)
+                with contextlib.suppress(ValueError):  # _wake may have dropped it already
+                    self._waiters[job].remove(waiter)
             if isinstance(exc, TimeoutError):
                 raise NoBackendAvailable(
                     f"pool {self.name!r} had no free backend within {self.queue_timeout:g} s",
@@ -174,10 +176,13 @@ class Pool:
 
     def _wake(self) -> None:
         while self.queued():
+            queue = self._waiters["interactive"] or self._waiters["batch"]
+            if queue[0].done():
+                queue.popleft()  # cancelled while queued; its request has gone
+                continue
             backend = self._take()
             if backend is None:
                 return
-            queue = self._waiters["interactive"] or self._waiters["batch"]
             queue.popleft().set_result(backend)
 
     def has_other(self, exclude: frozenset[str]) -> bool:

@@ -303,9 +303,10 @@ class Proxy:
         payload = call.payload
         if payload.get("stream") is True and call.path in _USAGE_PATHS:
             options = payload.get("stream_options")
-            if not (isinstance(options, dict) and options.get("include_usage") is True):
+            options = options if isinstance(options, dict) else {}
+            if options.get("include_usage") is not True:
                 # Ask for the token counts; the client did not, so the extra chunk is removed.
-                payload["stream_options"] = {**(options or {}), "include_usage": True}
+                payload["stream_options"] = {**options, "include_usage": True}
                 return json.dumps(payload, separators=(",", ":")).encode(), True
         return call.body or json.dumps(payload, separators=(",", ":")).encode(), False
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -40,6 +41,7 @@ class FakeEngine:
     fail_count: int = -1  # ...this many times (-1: always)
     die_after: int | None = None  # drop the connection after this many streamed tokens
     stall_after: int | None = None  # go silent after this many streamed tokens
+    script: list[bytes] | None = None  # stream exactly these pieces, each its own write
 
     def wait_idle(self, timeout: float = 1.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -62,6 +64,9 @@ class FakeEngine:
     async def _record(self, request: Request) -> dict[str, Any]:
         body: dict[str, Any] = await request.json()
         self.requests.append(Seen(request.url.path, dict(request.headers), body))
+        if not isinstance(body.get("model"), str):
+            # Like an engine: a request it cannot read is the client's error, not its own.
+            raise HTTPException(400, "model must be a string")
         return body
 
     async def _health(self, request: Request) -> Response:
@@ -106,9 +111,18 @@ class FakeEngine:
                 status_code=404,
             )
         chat = request.url.path.endswith("chat/completions")
-        tokens = int(body.get("max_tokens") or 8)
+        tokens = body.get("max_tokens") or 8
+        options = body.get("stream_options") or {}
+        if (
+            not isinstance(tokens, int)
+            or not isinstance(options, dict)
+            or not isinstance(body.get("stream", False), bool)
+        ):
+            raise HTTPException(400, "bad max_tokens, stream or stream_options")
+        if self.script is not None:
+            return StreamingResponse(self._scripted(self.script), media_type="text/event-stream")
         if body.get("stream"):
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            usage = bool(options.get("include_usage"))
             return StreamingResponse(self._stream(chat, tokens, usage), media_type="text/event-stream")
         self.open += 1
         try:
@@ -137,6 +151,11 @@ class FakeEngine:
                 "usage": {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens},
             }
         )
+
+    async def _scripted(self, pieces: list[bytes]) -> AsyncIterator[bytes]:
+        for piece in pieces:
+            yield piece
+            await asyncio.sleep(0.002)  # a write of its own, and most often a TCP segment of its own
 
     async def _stream(self, chat: bool, tokens: int, usage: bool) -> AsyncIterator[str]:
         self.open += 1

@@ -103,3 +103,20 @@ async def test_queue_wait_is_bounded() -> None:
         await pool.acquire("interactive")
     assert caught.value.code == "queue_timeout"
     assert pool.queued() == 0
+
+
+@pytest.mark.anyio
+async def test_slot_freed_while_a_cancelled_waiter_is_still_queued_goes_to_the_next() -> None:
+    """The race the cancellation storm found: a waiter cancelled, and a slot freed before its
+    task ran again. The slot must go to the next live waiter, not be lost."""
+    pool = _pool()
+    holder = await pool.acquire("interactive")
+    first = asyncio.create_task(pool.acquire("interactive"))
+    second = asyncio.create_task(pool.acquire("interactive"))
+    await asyncio.sleep(0)
+    first.cancel()  # its future is cancelled now; its task has not yet run to clean up
+    pool.release(holder)
+    assert (await asyncio.wait_for(second, 1)) is holder
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert pool.in_flight == 1 and pool.queued() == 0
