@@ -1,7 +1,8 @@
 """The forwarding path, top to bottom.
 
-read body -> classify -> choose pool -> admit (maybe queue) -> send upstream ->
-stream back while measuring -> release -> access log.
+check key -> read body -> classify -> choose pool -> admit (maybe queue) -> send upstream
+(again elsewhere, if it fails before the first byte) -> stream back while measuring ->
+release -> learn -> access log.
 
 It is a plain ASGI app rather than a Starlette endpoint so that the bytes of a stream go from
 the upstream socket to the client socket with nothing in between but one `StreamWatch.feed`,
@@ -46,8 +47,6 @@ T = TypeVar("T")
 
 # Paths whose streams accept `stream_options.include_usage`.
 _USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-
-
 # Upstream answers that mean "not now, try elsewhere" (RFC 9110 §15.6), retried before the first byte.
 _RETRYABLE_STATUS = frozenset({502, 503, 504})
 
@@ -59,10 +58,9 @@ class ClientGone(Exception):
 class _Retry(Exception):
     """A failure before any byte reached the client, to be tried again elsewhere."""
 
-    def __init__(self, error: RouterError, reason: str) -> None:
-        super().__init__(reason)
+    def __init__(self, error: RouterError) -> None:
+        super().__init__(error.message)
         self.error = error
-        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -281,7 +279,7 @@ class Proxy:
                 backend.request_failed(time.monotonic(), self._settings.health)
                 if may_retry:
                     self._metrics.retries.labels(backend.pool, backend.name, f"http_{status}").inc()
-                    raise _Retry(UpstreamError(f"backend {backend.name!r} answered {status}"), f"http_{status}")
+                    raise _Retry(UpstreamError(f"backend {backend.name!r} answered {status}"))
             elif status >= 500:
                 self._metrics.upstream_errors.labels(backend.pool, backend.name, "http_5xx").inc()
             else:
@@ -316,7 +314,7 @@ class Proxy:
         backend.request_failed(time.monotonic(), self._settings.health)
         if may_retry:
             self._metrics.retries.labels(backend.pool, backend.name, kind).inc()
-            raise _Retry(error, kind) from exc
+            raise _Retry(error) from exc
         raise error from exc
 
     def _retry_allowed(self) -> bool:

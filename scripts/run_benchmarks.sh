@@ -20,6 +20,10 @@ for kind in prose code; do
   specroute bench sweep --base-url http://127.0.0.1:9101/v1 --kind "$kind" --time-scale "$scale" --out "$out/sweep-fast-$kind"
   specroute bench sweep --base-url http://127.0.0.1:9102/v1 --kind "$kind" --time-scale "$scale" --out "$out/sweep-team-$kind"
 done
+for kind in prose code; do
+  python scripts/plot_sweeps.py "$out/note-$kind.png" "the note's measurement on the simulator, $kind (four nodes each)" \
+    "fast (speculative)=$out/sweep-fast-$kind/sweep.json" "team (standard)=$out/sweep-team-$kind/sweep.json"
+done
 echo "engine lag at the end: fast $(curl -s localhost:9101/metrics | grep '^specroute_sim_lag' | cut -d' ' -f2)" \
      "team $(curl -s localhost:9102/metrics | grep '^specroute_sim_lag' | cut -d' ' -f2)"
 

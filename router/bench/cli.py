@@ -64,6 +64,10 @@ def add_parser(commands: Any) -> None:
     common(compare, target=False)
     compare.add_argument("--scenario", dest="compared", choices=["mixed", "sweep"], default="mixed")
     compare.add_argument("--users", type=users, default=[1, 2, 4, 8, 16, 32, 64, 128])
+    compare.add_argument(
+        "--layouts", help="mixed only: run just these, comma-separated (routed, all-speculative, all-standard, "
+        "fast-alone, team-alone)",
+    )  # fmt: skip
     mixed_options(compare)
 
     spill = scenarios.add_parser(
@@ -180,7 +184,9 @@ class Verdict:
 
 def mixed_verdicts(results: dict[str, MixedResult]) -> list[Verdict]:
     """The issue's targets for the routed layout, each against its baseline."""
-    routed = results["routed"]
+    routed = results.get("routed")
+    if routed is None:
+        return []
     verdicts = []
     alone = results.get("fast-alone")
     if alone and alone.interactive.per_user_tps and routed.interactive.per_user_tps:
@@ -227,6 +233,9 @@ def _compare(args: argparse.Namespace, out: Path) -> int:
         ("fast-alone", args.interactive, 0),
         ("team-alone", 0, args.batch),
     ]
+    if args.layouts:
+        chosen = set(args.layouts.split(","))
+        runs = [run for run in runs if run[0] in chosen]
     results: dict[str, MixedResult] = {}
     for name, interactive, batch in runs:
         console.print(f"[bold]{name}[/]")

@@ -14,7 +14,7 @@ matplotlib.use("Agg")  # files only, no display
 
 import matplotlib.pyplot as plt
 
-from router.bench.scenarios import MixedResult, SweepRound
+from router.bench.scenarios import MixedResult, Summary, SweepRound
 
 
 def _f(value: float | None, digits: int = 1) -> str:
@@ -114,14 +114,22 @@ def plot_mixed(results: Mapping[str, MixedResult], path: Path, title: str) -> No
     """Per class bars: interactive per-user speed, batch throughput, worst first token."""
     names = list(results)
     figure, axes = plt.subplots(1, 3, figsize=(13, 4.2))
+
+    def worst(result: MixedResult) -> float:
+        known = [s.ttft_worst for s in (result.interactive, result.batch) if s.ttft_worst is not None]
+        return max(known) if known else float("nan")
+
+    def served(summary: Summary, value: float | None) -> float:
+        return _num(value) if summary.requests else float("nan")  # no bar for a class that was not there
+
     panels: list[tuple[str, str, list[float]]] = [
-        ("interactive: per-user tok/s", "tok/s", [_num(results[n].interactive.per_user_tps) for n in names]),
-        ("batch: delivered tok/s", "tok/s", [_num(results[n].batch.total_tps) for n in names]),
         (
-            "worst time to first token",
-            "seconds (log)",
-            [max(_num(results[n].interactive.ttft_worst), _num(results[n].batch.ttft_worst)) for n in names],
+            "interactive: per-user tok/s",
+            "tok/s",
+            [served(results[n].interactive, results[n].interactive.per_user_tps) for n in names],
         ),
+        ("batch: delivered tok/s", "tok/s", [served(results[n].batch, results[n].batch.total_tps) for n in names]),
+        ("worst time to first token", "seconds (log)", [worst(results[n]) for n in names]),
     ]
     for axis, (heading, unit, values) in zip(axes, panels, strict=True):
         bars = axis.bar(names, values, color=["#4c72b0", "#dd8452", "#55a868", "#8172b3", "#937860"][: len(names)])
