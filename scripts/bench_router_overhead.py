@@ -46,8 +46,9 @@ UPSTREAM = textwrap.dedent(
     async def app(scope, receive, send):
         if scope["type"] != "http":
             return
-        if scope["path"] == "/health":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["method"] != "POST":  # /health answers 200; the router's /metrics scrape, 404
+            status = 200 if scope["path"] == "/health" else 404
+            await send({"type": "http.response.start", "status": status, "headers": []})
             await send({"type": "http.response.body", "body": b""})
             return
         body = b""

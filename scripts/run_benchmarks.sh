@@ -29,6 +29,10 @@ echo "engine lag at the end: fast $(curl -s localhost:9101/metrics | grep '^spec
 
 specroute bench compare --scenario mixed --interactive 4 --batch 124 --duration 300 --think 5 \
   --max-tokens 512 --time-scale "$scale" --out "$out/compare-mixed"
+# The first-token target again, closer to real time: the router's and the load generator's own
+# milliseconds count `scale` times in a burst.
+specroute bench compare --scenario mixed --layouts routed,team-alone --interactive 4 --batch 124 \
+  --duration 300 --think 5 --max-tokens 512 --time-scale 2 --out "$out/compare-mixed-scale2"
 
 for kind in prose code; do
   specroute bench spill --kind "$kind" --users 1,2,4,8,16,32 --batch 96 --duration 90 --think 3 \
