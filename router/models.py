@@ -37,10 +37,9 @@ class ModelCatalog:
         return list(seen.values())
 
     async def _list(self, backend: Backend) -> list[dict[str, Any]]:
-        headers = [(b"authorization", f"Bearer {backend.api_key}".encode())] if backend.api_key else []
         try:
             async with asyncio.timeout(self._timeout):
-                status, body = await self._upstream.get(backend.url + "/v1/models", headers=headers)
+                status, body = await self._upstream.get(backend.url + "/v1/models", headers=backend.auth_headers)
             data = json.loads(body).get("data", []) if status == 200 else []
         except (TransportError, TimeoutError, ValueError, AttributeError):
             return []  # an unreachable backend contributes nothing; /readyz reports it

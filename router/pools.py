@@ -59,6 +59,11 @@ class Backend:
     def load(self) -> float:
         return self.in_flight / self.max_concurrency
 
+    @property
+    def auth_headers(self) -> list[tuple[bytes, bytes]]:
+        """The engine's own key, for the router's requests to it (models, metrics)."""
+        return [(b"authorization", f"Bearer {self.api_key}".encode())] if self.api_key else []
+
     def probed(self, ok: bool, now: float, config: HealthConfig, *, first: bool = False) -> None:
         """An active health check's result; `first` (at start-up) decides at once."""
         if now < self.ejected_until:

@@ -132,10 +132,9 @@ class EngineScraper:
         await asyncio.gather(*(self._scrape(backend) for backend in self._pools.backends()))
 
     async def _scrape(self, backend: Backend) -> None:
-        headers = [(b"authorization", f"Bearer {backend.api_key}".encode())] if backend.api_key else []
         try:
             async with asyncio.timeout(self._timeout):
-                status, body = await self._upstream.get(backend.url + "/metrics", headers=headers)
+                status, body = await self._upstream.get(backend.url + "/metrics", headers=backend.auth_headers)
             if status != 200:
                 return
             values = parse(body.decode("utf-8", "replace"))
