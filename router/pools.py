@@ -40,6 +40,7 @@ class Backend:
         self._probes_failed = self._probes_passed = 0  # in a row
         self._requests_failed = 0  # in a row
         self.ejections = 0  # in a row, without a success between
+        self.ejected_for = 0.0  # seconds, the latest ejection
         self.ejected_until = 0.0
         self.recent_ttft: deque[float] = deque(maxlen=256)
 
@@ -83,7 +84,8 @@ class Backend:
         if self._requests_failed < config.eject_after or not self.healthy:
             return False
         self.ejections += 1
-        self.ejected_until = now + min(config.max_ejection_seconds, config.ejection_seconds * 2 ** (self.ejections - 1))
+        self.ejected_for = min(config.max_ejection_seconds, config.ejection_seconds * 2 ** (self.ejections - 1))
+        self.ejected_until = now + self.ejected_for
         self.healthy = False
         self._requests_failed = self._probes_passed = 0
         return True

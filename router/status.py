@@ -55,6 +55,7 @@ def _backend(
             ]
     view: dict[str, Any] = {
         "healthy": backend.healthy,
+        "ejected_seconds_left": round(max(0.0, backend.ejected_until - now), 3),
         "in_flight": backend.in_flight,
         "max_concurrency": backend.max_concurrency,
         "engine": {
