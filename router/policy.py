@@ -34,7 +34,8 @@ class PoolState:
     concurrency: int = 0
     has_room: bool = True  # a backend below max_concurrency and nobody in the router's queue
     engine_queued: float = 0.0  # waiting inside its engines on two scrapes running (fresh only)
-    kv_usage: float | None = None  # highest among its engines (fresh scrapes only)
+    # KV usage of its emptiest engine once this request is sent (projected from fresh scrapes).
+    kv_usage: float | None = None
     # Predicted per-user tok/s for one more request, by content (adaptive mode; None: not learned).
     speed: Mapping[ContentKind, float | None] = field(default_factory=dict)
 

@@ -37,12 +37,28 @@ class Backend:
         self.in_flight = 0
         self.healthy = True
         self.engine = EngineLoad()  # the latest scrape of its /metrics
+        self.kv_per_request = 0.0  # KV usage per running request, as last seen
         self._probes_failed = self._probes_passed = 0  # in a row
         self._requests_failed = 0  # in a row
         self.ejections = 0  # in a row, without a success between
         self.ejected_for = 0.0  # seconds, the latest ejection
         self.ejected_until = 0.0
         self.recent_ttft: deque[float] = deque(maxlen=256)
+
+    def kv_projected(self, now: float, stale_after: float) -> float | None:
+        """The engine's KV usage once one more request is sent: the last reading, plus what each
+        request sent since (and the next one) will take, at the usage per running request last seen.
+
+        A reading lags by a scrape; users arriving faster than that would otherwise overfill a
+        speculative engine's cache before the router sees it fill.
+        """
+        engine = self.engine
+        if not engine.fresh(now, stale_after) or engine.kv_usage is None:
+            return None
+        if engine.running:
+            self.kv_per_request = engine.kv_usage / engine.running
+        sent_since = max(0, self.in_flight - engine.own_in_flight)
+        return engine.kv_usage + self.kv_per_request * (sent_since + 1)
 
     def concurrency(self, now: float, stale_after: float) -> int:
         """Requests on the engine: what it reported, plus what this router sent it since.
@@ -242,6 +258,7 @@ class Pools:
         for pool in self:
             healthy = [b for b in pool.backends if b.healthy]
             fresh = [b.engine for b in healthy if b.engine.fresh(now, stale_after)]
+            projected = [kv for b in healthy if (kv := b.kv_projected(now, stale_after)) is not None]
             if not healthy:
                 states[pool.name] = PoolState(pool.speculative, healthy=False)
                 continue
@@ -254,7 +271,7 @@ class Pools:
                 concurrency=concurrency,
                 has_room=not pool.queued() and any(b.has_room for b in healthy),
                 engine_queued=sum(e.queued or 0 for e in fresh),
-                kv_usage=max((e.kv_usage for e in fresh if e.kv_usage is not None), default=None),
+                kv_usage=min(projected, default=None),  # the emptiest backend is where it would go
                 speed={
                     kind: speeds.predict(best.name, kind, concurrency + 1, gain=gain, fallback=not pool.speculative)
                     for kind in kinds

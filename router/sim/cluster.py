@@ -55,10 +55,20 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def cluster_settings(pools: dict[str, tuple[bool, list[str]]], *, host: str, port: int) -> Settings:
-    """Router settings for pools given as name -> (speculative, engine URLs)."""
+def cluster_settings(
+    pools: dict[str, tuple[bool, list[str]]], *, host: str, port: int, time_scale: float = 1.0
+) -> Settings:
+    """Router settings for pools given as name -> (speculative, engine URLs).
+
+    The router's clocks follow the simulation's: scraping every simulated second, health checks
+    every five, a client remembered for a simulated minute. At 5x a one-second wall-clock scrape
+    would be five simulated seconds old, and the router would see the engines late.
+    """
     data: dict[str, Any] = {
         "listen": {"host": host, "port": port},
+        "scrape": {"interval": 1.0 / time_scale, "timeout": 0.5, "stale_after": max(1.0, 5.0 / time_scale)},
+        "health": {"interval": 5.0 / time_scale},
+        "classify": {"client_memory_seconds": 60.0 / time_scale},
         "pools": {
             name: {
                 "speculative": speculative,
@@ -108,7 +118,7 @@ async def serve_cluster(
             kind = "speculative" if profile.speculative else "standard"
             lines.append(f"  pool {pool.name}: {profile.name} engine, {kind}, {profile.nodes} nodes  {url}")
     router_sock = _bind(host, port)
-    settings = cluster_settings(urls, host=host, port=router_sock.getsockname()[1])
+    settings = cluster_settings(urls, host=host, port=router_sock.getsockname()[1], time_scale=time_scale)
     apps.append((create_app(settings), router_sock))
     servers = [
         uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, server_header=False))
