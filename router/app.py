@@ -41,7 +41,11 @@ def create_app(settings: Settings, *, registry: CollectorRegistry | None = None)
         idle_timeout=settings.timeouts.idle,
         max_idle_per_origin=max(backend.max_concurrency for backend in pools.backends()),
     )
-    clients = Clients(memory=settings.classify.client_memory_seconds)
+    clients = Clients(
+        memory=settings.classify.client_memory_seconds,
+        burst_hold=settings.classify.burst_hold_seconds,
+        threshold=settings.classify.batch_inflight_threshold,
+    )
     auth = Auth(settings.auth)
     proxy = Proxy(settings, pools=pools, clients=clients, speeds=speeds, metrics=metrics, upstream=upstream, auth=auth)
     catalog = ModelCatalog(pools, upstream, ttl=settings.models_cache_seconds, timeout=settings.health.timeout)

@@ -94,6 +94,9 @@ class Classify(_Model):
     batch_inflight_threshold: int = Field(default=4, ge=1)
     # ...and is remembered: its peak in flight counts, halving every this many seconds (0: off).
     client_memory_seconds: float = Field(default=60.0, ge=0)
+    # The first requests of a client not seen lately wait this long (or until it has more than
+    # batch_inflight_threshold here), so that a batch job's first burst is recognised as one.
+    burst_hold_seconds: float = Field(default=0.02, ge=0)
     # Text that marks a request as code, besides code fences, code-like tokens and tool definitions.
     code_hints: list[str] = []
 

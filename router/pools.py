@@ -290,10 +290,31 @@ class Clients:
 
     _PURGE_AT = 10_000  # forget faded clients once this many are remembered
 
-    def __init__(self, *, memory: float = 0.0) -> None:
+    def __init__(self, *, memory: float = 0.0, burst_hold: float = 0.0, threshold: int = 4) -> None:
         self._memory = memory
+        self._burst_hold = burst_hold
+        self._threshold = threshold
         self._in_flight: dict[str, int] = {}
         self._peaks: dict[str, tuple[float, float]] = {}  # client -> (peak, when)
+        self._holds: dict[str, asyncio.Event] = {}  # clients whose first requests are held
+
+    async def settle(self, client: str) -> None:
+        """Hold the first requests of a client not seen lately, for at most `burst_hold` seconds or
+        until more than `threshold` of them are here: a batch job's first burst then shows itself
+        before any of it is classified, and an interactive user's first request waits that long."""
+        hold = self._holds.get(client)
+        if hold is None:
+            if not self._burst_hold or self[client] > 1 or self._remembered(client, time.monotonic()) >= 1:
+                return
+            hold = self._holds[client] = asyncio.Event()
+        try:
+            async with asyncio.timeout(self._burst_hold):
+                await hold.wait()
+        except TimeoutError:
+            pass
+        finally:
+            if self._holds.get(client) is hold:
+                del self._holds[client]  # the hold ends for everyone waiting on it
 
     def __getitem__(self, client: str) -> int:
         return self._in_flight.get(client, 0)
@@ -305,6 +326,8 @@ class Clients:
         now = time.monotonic() if now is None else now
         count = self._in_flight.get(client, 0) + 1
         self._in_flight[client] = count
+        if count > self._threshold and client in self._holds:
+            self._holds[client].set()  # enough of a burst: classify them all now
         if self._memory and count >= self._remembered(client, now):
             if len(self._peaks) >= self._PURGE_AT:
                 self._purge(now)

@@ -132,6 +132,8 @@ class Proxy:
             user = _field(payload, "user", str)
             address = scope["client"][0] if scope.get("client") else None
             client = client_id(api_key, user, address)
+            self._clients.start(client)
+            await self._clients.settle(client)
             facts = RequestFacts(
                 headers=headers,
                 api_key=api_key,
@@ -139,7 +141,7 @@ class Proxy:
                 user=user,
                 metadata=_field(payload, "metadata", dict) or {},
                 n=_field(payload, "n", int) or 1,
-                client_load=self._clients.load(client),
+                client_load=self._clients.load(client) - 1,  # the others, not this one
             )
             classification = self._classifier.classify(facts)
             state = self._pools.snapshot(self._speeds, stale_after=self._settings.scrape.stale_after)
@@ -148,7 +150,6 @@ class Proxy:
             if classification.rewrite_model is not None:
                 payload["model"] = classification.rewrite_model
                 call.body = b""  # re-encode below
-            self._clients.start(client)
             await self._serve_until_disconnect(receive, send, call)
         except ClientGone:
             call.status = 499
@@ -156,7 +157,7 @@ class Proxy:
             call.status = exc.status_code
             await _send_response(send, exc.response(self._route_headers(call)))
         finally:
-            if client is not None and call.decision is not None:
+            if client is not None:
                 self._clients.finish(client)
             self._finish(call)
 

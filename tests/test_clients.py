@@ -41,3 +41,35 @@ def test_memory_is_bounded() -> None:
         clients.finish(f"c{number}")
     clients.start("late", now=100)  # everyone before has faded: purged
     assert len(clients._peaks) <= 6
+
+
+@pytest.mark.anyio
+async def test_a_new_clients_burst_is_held_until_it_shows_itself() -> None:
+    import asyncio
+
+    clients = Clients(burst_hold=1.0, threshold=4)
+    seen: list[float] = []
+
+    async def request() -> None:
+        clients.start("etl")
+        await clients.settle("etl")
+        seen.append(clients.load("etl") - 1)  # what the classifier would see: the others
+
+    tasks = [asyncio.create_task(request()) for _ in range(6)]
+    await asyncio.wait_for(asyncio.gather(*tasks), 0.5)  # released by the burst, not the 1 s hold
+    assert min(seen) >= 4  # every one of them, the first included, sees a batch job
+
+
+@pytest.mark.anyio
+async def test_a_lone_first_request_waits_only_the_hold() -> None:
+    import time
+
+    clients = Clients(burst_hold=0.05, threshold=4)
+    clients.start("dev")
+    started = time.monotonic()
+    await clients.settle("dev")
+    assert 0.04 < time.monotonic() - started < 0.5
+    clients.start("dev")  # a second request while the first runs: no hold
+    started = time.monotonic()
+    await clients.settle("dev")
+    assert time.monotonic() - started < 0.01

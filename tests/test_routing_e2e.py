@@ -201,3 +201,20 @@ def test_status_and_metrics_explain_the_live_state() -> None:
         'specroute_route_decisions_total{content="code"',
     ):
         assert name in metrics, name
+
+
+def test_a_new_batch_jobs_first_burst_never_lands_on_the_speculative_pool() -> None:
+    with engines() as (fast, team), _router(fast, team, mode="adaptive") as router:
+
+        async def scenario() -> list[dict[str, str]]:
+            async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=40)) as client:
+                headers = {"authorization": "Bearer etl-job"}  # one key, many requests at once
+                body = {**_body("prose", 0), "stream": False, "max_tokens": 8}
+                responses = await asyncio.gather(
+                    *(client.post(router.url + "/v1/chat/completions", json=body, headers=headers) for _ in range(20))
+                )
+            return [dict(r.headers) for r in responses]
+
+        seen = asyncio.run(scenario())
+    assert {h["x-route-pool"] for h in seen} == {"team"}
+    assert {h["x-job-type"] for h in seen} == {"batch"}

@@ -68,7 +68,7 @@ def cluster_settings(
         "listen": {"host": host, "port": port},
         "scrape": {"interval": 1.0 / time_scale, "timeout": 0.5, "stale_after": max(1.0, 5.0 / time_scale)},
         "health": {"interval": 5.0 / time_scale},
-        "classify": {"client_memory_seconds": 60.0 / time_scale},
+        "classify": {"client_memory_seconds": 60.0 / time_scale, "burst_hold_seconds": 0.02 / time_scale},
         "pools": {
             name: {
                 "speculative": speculative,
