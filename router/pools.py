@@ -55,10 +55,15 @@ class Backend:
         engine = self.engine
         if not engine.fresh(now, stale_after) or engine.kv_usage is None:
             return None
-        if engine.running:
-            self.kv_per_request = engine.kv_usage / engine.running
         sent_since = max(0, self.in_flight - engine.own_in_flight)
         return engine.kv_usage + self.kv_per_request * (sent_since + 1)
+
+    def observe(self, engine: EngineLoad) -> None:
+        """A new reading of the engine's own metrics; the KV per request is kept from the last
+        reading that had requests running, so an idle engine still has an estimate."""
+        self.engine = engine
+        if engine.running and engine.kv_usage is not None:
+            self.kv_per_request = engine.kv_usage / engine.running
 
     def concurrency(self, now: float, stale_after: float) -> int:
         """Requests on the engine: what it reported, plus what this router sent it since.
@@ -191,13 +196,10 @@ class Pool:
         backend.in_flight -= 1
         if duration is not None:
             self._mean_duration += _EWMA * (duration - self._mean_duration)
-        self._wake()
+        self.wake()
 
     def wake(self) -> None:
-        """Hand free slots to queued requests (after a backend turns healthy, say)."""
-        self._wake()
-
-    def _wake(self) -> None:
+        """Hand free slots to queued requests (after a release, or a backend turning healthy)."""
         while self.queued():
             queue = self._waiters["interactive"] or self._waiters["batch"]
             if queue[0].done():
@@ -262,8 +264,9 @@ class Pools:
             if not healthy:
                 states[pool.name] = PoolState(pool.speculative, healthy=False)
                 continue
-            best = min(healthy, key=lambda b: (b.concurrency(now, stale_after) / b.max_concurrency, b.name))
-            concurrency = best.concurrency(now, stale_after)
+            load = {b.name: b.concurrency(now, stale_after) for b in healthy}
+            best = min(healthy, key=lambda b: (load[b.name] / b.max_concurrency, b.name))
+            concurrency = load[best.name]
             gain = best.engine.accept_length if best.engine.fresh(now, stale_after) else None
             kinds: tuple[ContentKind, ...] = ("prose", "code")
             states[pool.name] = PoolState(

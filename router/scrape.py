@@ -141,5 +141,5 @@ class EngineScraper:
         except (TransportError, TimeoutError, ValueError):
             return  # the last load stays, and goes stale
         load = engine_load(values, self._previous.get(backend.name), time.monotonic())
-        backend.engine = dataclasses.replace(load, own_in_flight=backend.in_flight)
+        backend.observe(dataclasses.replace(load, own_in_flight=backend.in_flight))
         self._previous[backend.name] = values

@@ -130,7 +130,7 @@ def test_kv_usage_is_projected_with_the_requests_sent_since_the_scrape() -> None
     backend = Backend("b1", "p", BackendConfig(url="http://127.0.0.1:1", max_concurrency=64))
     assert backend.kv_projected(clock.monotonic(), 5) is None  # nothing scraped yet
     backend.in_flight = 10
-    backend.engine = EngineLoad(running=10, waiting=0, kv_usage=0.40, scraped_at=clock.monotonic(), own_in_flight=10)
+    backend.observe(EngineLoad(running=10, waiting=0, kv_usage=0.40, scraped_at=clock.monotonic(), own_in_flight=10))
     now = clock.monotonic()
     assert backend.kv_projected(now, 5) == pytest.approx(0.44)  # 4 % a request, the next one included
     backend.in_flight = 15  # five more sent since the scrape: the engine has not reported them yet
