@@ -58,7 +58,9 @@ class EngineLoad:
     accept_length: float | None = None  # tokens a sequence gains per step (1 + accepted per draft)
     draft_tokens: float | None = None  # guessed tokens per step and sequence (k)
     scraped_at: float = 0.0  # monotonic seconds; 0 = never
-    own_in_flight: int = 0  # this router's requests on the engine when the scrape came back
+    # This router's requests that the reading surely counts: those sent before the scrape was
+    # asked for and still running when it came back (one sent meanwhile may not have reached it).
+    own_in_flight: int = 0
 
     def fresh(self, now: float, stale_after: float) -> bool:
         return self.scraped_at > 0 and now - self.scraped_at <= stale_after
@@ -132,6 +134,7 @@ class EngineScraper:
         await asyncio.gather(*(self._scrape(backend) for backend in self._pools.backends()))
 
     async def _scrape(self, backend: Backend) -> None:
+        sent_before = backend.in_flight
         try:
             async with asyncio.timeout(self._timeout):
                 status, body = await self._upstream.get(backend.url + "/metrics", headers=backend.auth_headers)
@@ -141,5 +144,5 @@ class EngineScraper:
         except (TransportError, TimeoutError, ValueError):
             return  # the last load stays, and goes stale
         load = engine_load(values, self._previous.get(backend.name), time.monotonic())
-        backend.observe(dataclasses.replace(load, own_in_flight=backend.in_flight))
+        backend.observe(dataclasses.replace(load, own_in_flight=min(sent_before, backend.in_flight)))
         self._previous[backend.name] = values

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
 
 from router.config import Settings
 from router.pools import Pools
@@ -153,3 +159,35 @@ def test_scraper_reads_a_simulated_engine_over_http() -> None:
             await upstream.aclose()
 
         asyncio.run(scenario())
+
+
+def test_a_request_sent_while_a_scrape_is_out_counts_on_top_of_its_reading() -> None:
+    """Pass: the reading was taken before the request reached the engine, so the router's view is
+    the reading plus that request (counting it as included would let one too many through)."""
+    asked, answer = threading.Event(), threading.Event()
+
+    async def metrics(request: Request) -> PlainTextResponse:
+        asked.set()
+        await asyncio.to_thread(answer.wait, 5)
+        running = 'vllm:num_requests_running{model_name="m"} 3.0\n'
+        return PlainTextResponse("# TYPE vllm:num_requests_running gauge\n" + running)
+
+    with ServerThread(Starlette(routes=[Route("/metrics", metrics)])) as engine:
+        settings = Settings(
+            pools={"fast": {"speculative": True, "backends": {"f1": {"url": engine.url}}}}  # type: ignore[dict-item]
+        )
+        pools = Pools(settings)
+        pool = pools["fast"]
+
+        async def scenario() -> int:
+            upstream = UpstreamPool(connect_timeout=1, read_timeout=5)
+            scraper = EngineScraper(pools, upstream, interval=1, timeout=5)
+            scrape = asyncio.create_task(scraper.scrape_all())
+            await asyncio.to_thread(asked.wait, 5)
+            backend = await pool.acquire("interactive")  # sent while the engine renders its reading
+            answer.set()
+            await scrape
+            await upstream.aclose()
+            return backend.concurrency(time.monotonic(), stale_after=5)
+
+        assert asyncio.run(scenario()) == 4
