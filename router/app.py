@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.applications import Starlette
@@ -13,73 +13,52 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from router.auth import Auth
+from router.admin import admin_routes
 from router.config import Settings
 from router.errors import MethodNotAllowed, NotFound, RouterError
 from router.headers import bearer
-from router.health import HealthChecker
-from router.learn import SpeedModel
-from router.metrics import Metrics
-from router.models import ModelCatalog
-from router.pools import Clients, Pools
-from router.proxy import Proxy
-from router.scrape import EngineScraper
+from router.runtime import Router
 from router.status import status
-from router.upstream import UpstreamPool
 
 
-def create_app(settings: Settings, *, registry: CollectorRegistry | None = None) -> Starlette:
-    pools = Pools(settings)
-    speeds = SpeedModel()
-    registry = registry if registry is not None else CollectorRegistry()
-    metrics = Metrics(registry, pools, speeds, stale_after=settings.scrape.stale_after)
-    # One connection pool for every backend; it keeps as many idle connections per backend as
-    # the router may send it requests at once.
-    upstream = UpstreamPool(
-        connect_timeout=settings.timeouts.connect,
-        read_timeout=settings.timeouts.read,
-        idle_timeout=settings.timeouts.idle,
-        max_idle_per_origin=max(backend.max_concurrency for backend in pools.backends()),
-    )
-    clients = Clients(
-        memory=settings.classify.client_memory_seconds,
-        burst_hold=settings.classify.burst_hold_seconds,
-        threshold=settings.classify.batch_inflight_threshold,
-    )
-    auth = Auth(settings.auth)
-    proxy = Proxy(settings, pools=pools, clients=clients, speeds=speeds, metrics=metrics, upstream=upstream, auth=auth)
-    catalog = ModelCatalog(pools, upstream, ttl=settings.models_cache_seconds, timeout=settings.health.timeout)
-    health = HealthChecker(pools, upstream, settings.health)
-    scraper = EngineScraper(pools, upstream, interval=settings.scrape.interval, timeout=settings.scrape.timeout)
+def create_app(
+    settings: Settings,
+    *,
+    registry: CollectorRegistry | None = None,
+    load: Callable[[], Settings] | None = None,
+) -> Starlette:
+    """`load` reads the settings again for a reload (SIGHUP, /admin/reload); None: no reloads."""
+    router = Router(settings, registry=registry, load=load)
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def readyz(request: Request) -> Response:
-        backends = {b.name: b.healthy for b in pools.backends()}
-        ready = any(backends.values())
-        return JSONResponse({"ready": ready, "backends": backends}, status_code=200 if ready else 503)
+        backends = {b.name: b.accepting for b in router.pools.backends()}
+        ready = any(backends.values()) and not router.shutting_down
+        body = {"ready": ready, "backends": backends, "shutting_down": router.shutting_down}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     async def prometheus(request: Request) -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        return Response(router.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(request: Request) -> Response:
-        auth.check_client(bearer(request.headers.get("authorization")))
-        return JSONResponse({"object": "list", "data": await catalog.models()})
+        router.auth.check_client(bearer(request.headers.get("authorization")))
+        return JSONResponse({"object": "list", "data": await router.catalog.models()})
 
     async def router_status(request: Request) -> Response:
-        return JSONResponse(status(settings, pools, speeds))
+        return JSONResponse(status(router.settings, router.pools, router.speeds))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await health.check_all(first=True)
-        tasks = [asyncio.create_task(health.run()), asyncio.create_task(scraper.run())]
+        await router.health.check_all(first=True)
+        tasks = [asyncio.create_task(router.health.run()), asyncio.create_task(router.scraper.run())]
         try:
             yield
         finally:
             for task in tasks:
                 task.cancel()
-            await upstream.aclose()
+            await router.upstream.aclose()
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -104,12 +83,11 @@ def create_app(settings: Settings, *, registry: CollectorRegistry | None = None)
             Route("/metrics", prometheus),
             Route("/v1/models", models),
             Route("/router/status", router_status),
-            Route("/v1/{path:path}", proxy, methods=["POST"]),
+            *admin_routes(router),
+            Route("/v1/{path:path}", router.proxy, methods=["POST"]),
         ],
         exception_handlers={HTTPException: http_error, RouterError: router_error},
         lifespan=lifespan,
     )
-    app.state.pools = pools
-    app.state.metrics = metrics
-    app.state.upstream = upstream
+    app.state.router = router
     return app

@@ -1,6 +1,6 @@
 """Who may use the router, and who may steer it.
 
-Client keys and the keys allowed to use the override headers are read from environment
+Client keys, the admin key and the keys allowed to use the override headers are read from environment
 variables (comma-separated), never from the settings file, and compared in constant time.
 """
 
@@ -34,6 +34,7 @@ class Auth:
     def __init__(self, config: AuthConfig) -> None:
         self._client_keys = _keys(config.client_keys_env)
         self._override_keys = _keys(config.override_keys_env)
+        self._admin_keys = _keys(config.admin_key_env)
         self._overrides_restricted = config.override_keys_env is not None
         self._reject_overrides = config.untrusted_overrides == "reject"
 
@@ -47,6 +48,16 @@ class Auth:
             raise Unauthorized(
                 "Incorrect API key provided." if key else "Missing API key: send 'Authorization: Bearer <key>'.",
                 code="invalid_api_key",
+            )
+
+    def check_admin(self, key: str | None) -> None:
+        """Raise unless the admin API is on and `key` is its key (a client key is not)."""
+        if not self._admin_keys:
+            raise PermissionDenied("the admin API is off: set auth.admin_key_env", code="admin_disabled")
+        if not _known(key, self._admin_keys):
+            raise Unauthorized(
+                "Incorrect admin key provided." if key else "Missing admin key: send 'Authorization: Bearer <key>'.",
+                code="invalid_admin_key",
             )
 
     def may_override(self, key: str | None, header: str) -> bool:

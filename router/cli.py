@@ -7,13 +7,15 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import uvicorn
 
 from router.app import create_app
 from router.config import CONFIG_ENV, ConfigError, Settings, load_settings, masked
+from router.server import RouterServer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -102,14 +104,22 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"invalid configuration\n{exc}", file=sys.stderr)
         return 1
-    run_router(settings, host=args.host, port=args.port, log_level=args.log_level)
+    path = args.config
+    run_router(settings, load=lambda: load_settings(path), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
-def run_router(settings: Settings, *, host: str | None, port: int | None, log_level: str) -> None:
+def run_router(
+    settings: Settings,
+    *,
+    load: Callable[[], Settings] | None = None,
+    host: str | None,
+    port: int | None,
+    log_level: str,
+) -> None:
     _logging(log_level)
-    uvicorn.run(
-        create_app(settings),
+    config = uvicorn.Config(
+        create_app(settings, load=load),
         host=host or settings.listen.host,
         port=port if port is not None else settings.listen.port,
         loop="uvloop",
@@ -118,6 +128,11 @@ def run_router(settings: Settings, *, host: str | None, port: int | None, log_le
         server_header=False,
         log_level=log_level,
     )
+    # Once uvicorn has shut down on SIGINT or SIGTERM it raises the signal again, for the handler
+    # there before it started; with this one, a router that stopped as asked exits with status 0.
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, lambda number, frame: None)
+    RouterServer(config).run()
 
 
 def _sim(args: argparse.Namespace) -> int:

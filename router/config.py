@@ -165,6 +165,15 @@ class Auth(_Model):
     override_keys_env: str | None = None
     # What override headers from other clients do: nothing (ignored) or a 403.
     untrusted_overrides: Literal["ignore", "reject"] = "ignore"
+    # Environment variable holding the admin key, for /admin/* (drain, resume, reload); unset:
+    # the admin API is off. Client keys never open it.
+    admin_key_env: str | None = None
+
+
+class Shutdown(_Model):
+    # On SIGTERM the router stops accepting, lets running requests finish for this long, then
+    # ends the streams still open with an error event.
+    grace_seconds: float = Field(default=30.0, ge=0)
 
 
 class Settings(BaseSettings):
@@ -180,6 +189,7 @@ class Settings(BaseSettings):
     scrape: Scrape = Scrape()
     retries: Retries = Retries()
     auth: Auth = Auth()
+    shutdown: Shutdown = Shutdown()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     models_cache_seconds: float = Field(default=5.0, ge=0)
     # Pass the client's Authorization header upstream when the backend has no key of its own.

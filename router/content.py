@@ -44,7 +44,8 @@ def request_text(payload: dict[str, Any]) -> str:
         parts.append(prompt)
     elif isinstance(prompt, list):
         parts.extend(p for p in prompt if isinstance(p, str))
-    for message in payload.get("messages") or payload.get("input") or []:
+    messages = payload.get("messages") or payload.get("input")
+    for message in messages if isinstance(messages, list) else []:
         if not isinstance(message, dict):
             continue
         content = message.get("content")

@@ -80,6 +80,11 @@ class MethodNotAllowed(RouterError):
     error_type = "invalid_request_error"
 
 
+class Conflict(RouterError):
+    status_code = 409
+    error_type = "invalid_request_error"
+
+
 class RequestTimeout(RouterError):
     status_code = 408
     error_type = "invalid_request_error"
@@ -100,6 +105,11 @@ class NoBackendAvailable(RouterError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after)}
+
+
+class ShuttingDown(RouterError):
+    status_code = 503
+    error_type = "service_unavailable"
 
 
 class UpstreamError(RouterError):

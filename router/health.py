@@ -19,11 +19,11 @@ class HealthChecker:
     def __init__(self, pools: Pools, upstream: UpstreamPool, config: Health) -> None:
         self._pools = pools
         self._upstream = upstream
-        self._config = config
+        self.config = config  # replaced on a reload
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self._config.interval)
+            await asyncio.sleep(self.config.interval)
             await self.check_all()
 
     async def check_all(self, *, first: bool = False) -> None:
@@ -35,9 +35,9 @@ class HealthChecker:
     async def _check(self, backend: Backend, first: bool) -> None:
         # Probes go straight to the engine: they are not requests, and count in no metric.
         try:
-            async with asyncio.timeout(self._config.timeout):
+            async with asyncio.timeout(self.config.timeout):
                 status, _ = await self._upstream.get(backend.url + "/health")
             ok = status == 200
         except (TransportError, TimeoutError):
             ok = False
-        backend.probed(ok, time.monotonic(), self._config, first=first)
+        backend.probed(ok, time.monotonic(), self.config, first=first)

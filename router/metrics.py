@@ -85,7 +85,17 @@ class Metrics:
             ["job", "pool", "reason", "content"],
             registry=registry,
         )
-        registry.register(_LiveState(pools, speeds, stale_after))
+        self.reloads = Counter(
+            "specroute_config_reloads",
+            "Configuration reloads asked for (SIGHUP or /admin/reload), by result: applied or invalid.",
+            ["result"],
+            registry=registry,
+        )
+        self._live = _LiveState(pools, speeds, stale_after)
+        registry.register(self._live)
+
+    def configure(self, *, stale_after: float) -> None:
+        self._live.stale_after = stale_after
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -95,7 +105,7 @@ class _LiveState(Collector):
     def __init__(self, pools: Pools, speeds: SpeedModel, stale_after: float) -> None:
         self._pools = pools
         self._speeds = speeds
-        self._stale_after = stale_after
+        self.stale_after = stale_after
 
     def collect(self) -> Iterable[Metric]:
         labels = ["pool", "backend"]
@@ -105,6 +115,7 @@ class _LiveState(Collector):
 
         in_flight = gauge("specroute_in_flight_requests", "Requests sent to a backend and not yet finished.")
         healthy = gauge("specroute_backend_healthy", "1 if the backend passed its last health check, else 0.")
+        draining = gauge("specroute_backend_draining", "1 while an operator drains the backend (no new work).")
         queued = GaugeMetricFamily(
             "specroute_queued_requests",
             "Requests waiting in the router's queue of a pool for a backend slot.",
@@ -133,13 +144,14 @@ class _LiveState(Collector):
                 key = [pool.name, backend.name]
                 in_flight.add_metric(key, backend.in_flight)
                 healthy.add_metric(key, float(backend.healthy))
+                draining.add_metric(key, float(backend.draining))
                 if pool.speculative:
                     for kind in kinds:
                         level = crossover(self._speeds, backend.name, standard, kind)
                         if level is not None:
                             learned.add_metric([*key, kind], level)
                 engine = backend.engine
-                fresh = engine.fresh(now, self._stale_after)
+                fresh = engine.fresh(now, self.stale_after)
                 stale.add_metric(key, float(not fresh))
                 if not fresh:
                     continue
@@ -154,4 +166,16 @@ class _LiveState(Collector):
                         family.add_metric(key, value)
             for job in JOB_CLASSES:
                 queued.add_metric([pool.name, job], pool.queued(job))
-        yield from (in_flight, healthy, queued, running, waiting, kv, acceptance, accept_length, stale, learned)
+        yield from (
+            in_flight,
+            healthy,
+            draining,
+            queued,
+            running,
+            waiting,
+            kv,
+            acceptance,
+            accept_length,
+            stale,
+            learned,
+        )

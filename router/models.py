@@ -15,11 +15,15 @@ class ModelCatalog:
     def __init__(self, pools: Pools, upstream: UpstreamPool, *, ttl: float, timeout: float) -> None:
         self._pools = pools
         self._upstream = upstream
+        self._lock = asyncio.Lock()
+        self.configure(ttl=ttl, timeout=timeout)
+
+    def configure(self, *, ttl: float, timeout: float) -> None:
+        """(Re)loaded settings; the backends may have changed, so the cached list goes."""
         self._ttl = ttl
         self._timeout = timeout
         self._cached: list[dict[str, Any]] | None = None
         self._fetched_at = 0.0
-        self._lock = asyncio.Lock()
 
     async def models(self) -> list[dict[str, Any]]:
         async with self._lock:  # one refresh at a time; the others take its result

@@ -5,13 +5,15 @@ that is the faster place for it; otherwise it spills to the standard pool:
 
 - never where it would queue: the speculative engine has requests waiting, its KV cache is past
   the threshold, or the router's own slots for it are full (`spill:spec-queueing`,
-  `spill:spec-kv-full`, `spill:spec-full`, `spill:spec-down`);
+  `spill:spec-kv-full`, `spill:spec-full`), nor where it cannot go (`spill:spec-down`,
+  `spill:spec-draining`);
 - `crossover` mode: not past the configured crossover concurrency for the content kind, unless
   the standard pool carries even more (`spill:past-crossover`);
 - `adaptive` mode: to the pool with the higher predicted per-user speed, from speeds learned
   online (`spill:faster-on-standard`); until there is something learned, as in `crossover`.
 
-`static` mode does none of this: interactive to the speculative pool, batch to the standard one.
+`static` mode does none of this: interactive to the speculative pool, batch to the standard one
+(interactive work still leaves a speculative pool that is down or drained).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ class PoolState:
     """What the policy knows of one pool at the moment of a decision."""
 
     speculative: bool
-    healthy: bool = True
+    healthy: bool = True  # has a backend that takes new work
+    draining: bool = False  # ...and has none because an operator is draining them
     # Requests on its least-loaded healthy backend: the router's own or the engine's, the larger.
     concurrency: int = 0
     has_room: bool = True  # a backend below max_concurrency and nobody in the router's queue
@@ -62,8 +65,8 @@ class Policy:
 
         if classification.pinned_pool is not None:
             return to(classification.pinned_pool, "pinned")
-        if self._config.mode == "static" or self._speculative == self._standard:
-            return to(self._speculative if job == "interactive" else self._standard)
+        if self._speculative == self._standard:
+            return to(self._standard)
 
         spec, std = pools[self._speculative], pools[self._standard]
         if job == "batch":
@@ -73,11 +76,11 @@ class Policy:
                 return to(self._speculative, "borrow:standard-unavailable")
             return to(self._standard)
 
-        blocked = self._blocked(spec)
+        blocked = self._unavailable(spec) if self._config.mode == "static" else self._blocked(spec)
         if blocked is not None:
             # Spill only to somewhere better: a standard pool that is up and has room.
             return to(self._standard, blocked) if std.healthy and std.has_room else to(self._speculative)
-        if not (std.healthy and std.has_room):
+        if self._config.mode == "static" or not (std.healthy and std.has_room):
             return to(self._speculative)
         spec_speed, std_speed = spec.speed.get(content), std.speed.get(content)
         if self._config.mode == "adaptive" and spec_speed is not None and std_speed is not None:
@@ -90,10 +93,20 @@ class Policy:
             return to(self._standard, "spill:past-crossover")
         return to(self._speculative)
 
-    def _blocked(self, spec: PoolState) -> str | None:
-        """Why a request sent to the speculative pool now would wait, or None."""
+    @staticmethod
+    def _unavailable(spec: PoolState) -> str | None:
+        """Why the speculative pool takes no new work at all, or None."""
+        if spec.draining:
+            return "spill:spec-draining"
         if not spec.healthy:
             return "spill:spec-down"
+        return None
+
+    def _blocked(self, spec: PoolState) -> str | None:
+        """Why a request sent to the speculative pool now would wait, or None."""
+        unavailable = self._unavailable(spec)
+        if unavailable is not None:
+            return unavailable
         if spec.engine_queued > 0:
             return "spill:spec-queueing"
         if spec.kv_usage is not None and spec.kv_usage >= self._config.kv_threshold:

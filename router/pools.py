@@ -36,6 +36,7 @@ class Backend:
         self.max_concurrency = config.max_concurrency
         self.in_flight = 0
         self.healthy = True
+        self.draining = False  # set by an operator: no new work, running requests finish
         self.engine = EngineLoad()  # the latest scrape of its /metrics
         self.kv_per_request = 0.0  # KV usage per running request, as last seen
         self._probes_failed = self._probes_passed = 0  # in a row
@@ -44,6 +45,16 @@ class Backend:
         self.ejected_for = 0.0  # seconds, the latest ejection
         self.ejected_until = 0.0
         self.recent_ttft: deque[float] = deque(maxlen=256)
+
+    def configure(self, config: BackendConfig) -> None:
+        """A reloaded configuration for the same backend (same name and URL)."""
+        self.api_key = config.api_key()
+        self.max_concurrency = config.max_concurrency
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new work may go here: healthy and not being drained."""
+        return self.healthy and not self.draining
 
     def kv_projected(self, now: float, stale_after: float) -> float | None:
         """The engine's KV usage once one more request is sent: the last reading, plus what each
@@ -117,7 +128,7 @@ class Backend:
 
     @property
     def has_room(self) -> bool:
-        return self.healthy and self.in_flight < self.max_concurrency
+        return self.accepting and self.in_flight < self.max_concurrency
 
 
 class Pool:
@@ -151,14 +162,19 @@ class Pool:
         return sum(backend.in_flight for backend in self.backends)
 
     @property
-    def healthy(self) -> bool:
-        return any(backend.healthy for backend in self.backends)
+    def accepting(self) -> bool:
+        return any(backend.accepting for backend in self.backends)
+
+    def _unavailable(self) -> NoBackendAvailable:
+        if any(backend.healthy for backend in self.backends):
+            why = "is being drained"
+        else:
+            why = "has no healthy backend" if self.backends else "was removed from the configuration"
+        return NoBackendAvailable(f"pool {self.name!r} {why}", retry_after=5, code="pool_unavailable")
 
     async def acquire(self, job: JobClass, *, exclude: frozenset[str] = frozenset()) -> Backend:
-        if not self.healthy:
-            raise NoBackendAvailable(
-                f"pool {self.name!r} has no healthy backend", retry_after=5, code="pool_unavailable"
-            )
+        if not self.accepting:
+            raise self._unavailable()
         if not self.queued() or exclude:
             backend = self._take(exclude)
             if backend is not None:
@@ -177,7 +193,7 @@ class Pool:
             async with asyncio.timeout(self.queue_timeout):
                 return await waiter
         except BaseException as exc:
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 # A slot was handed over just as we gave up: pass it on.
                 self.release(waiter.result())
             else:
@@ -199,11 +215,15 @@ class Pool:
         self.wake()
 
     def wake(self) -> None:
-        """Hand free slots to queued requests (after a release, or a backend turning healthy)."""
+        """Hand free slots to queued requests (after a release, or a backend turning healthy or
+        being drained or resumed); with no backend left to wait for, fail them at once."""
         while self.queued():
             queue = self._waiters["interactive"] or self._waiters["batch"]
             if queue[0].done():
                 queue.popleft()  # cancelled while queued; its request has gone
+                continue
+            if not self.accepting:
+                queue.popleft().set_exception(self._unavailable())
                 continue
             backend = self._take()
             if backend is None:
@@ -223,7 +243,7 @@ class Pool:
         return backend
 
     def _retry_after(self) -> int:
-        capacity = sum(b.max_concurrency for b in self.backends if b.healthy) or 1
+        capacity = sum(b.max_concurrency for b in self.backends if b.accepting) or 1
         wait = self._mean_duration * (self.queued() + 1) / capacity
         return max(1, min(60, math.ceil(wait)))
 
@@ -232,19 +252,50 @@ class Pools:
     """Every pool of the router, by name."""
 
     def __init__(self, settings: Settings) -> None:
-        self._pools = {
-            name: Pool(
-                name,
-                speculative=config.speculative,
-                backends=[Backend(b, name, bc) for b, bc in config.backends.items()],
-                queue_size=config.queue_size,
-                queue_timeout=config.queue_timeout,
-            )
-            for name, config in settings.pools.items()
-        }
+        self._pools: dict[str, Pool] = {}
+        self.reconcile(settings)
+
+    def reconcile(self, settings: Settings) -> None:
+        """Take a (re)loaded configuration. A backend still configured in the same pool with the
+        same URL is kept, with its requests in flight, health and readings; others are new.
+        Requests running on a backend or pool that is gone finish there; its queue is failed.
+        """
+        pools: dict[str, Pool] = {}
+        for name, config in settings.pools.items():
+            old = self._pools.get(name)
+            kept = {b.name: b for b in old.backends} if old is not None else {}
+            backends = []
+            for backend_name, backend_config in config.backends.items():
+                backend = kept.get(backend_name)
+                if backend is not None and backend.url == backend_config.url:
+                    backend.configure(backend_config)
+                else:
+                    backend = Backend(backend_name, name, backend_config)
+                backends.append(backend)
+            if old is None:
+                pools[name] = Pool(
+                    name,
+                    speculative=config.speculative,
+                    backends=backends,
+                    queue_size=config.queue_size,
+                    queue_timeout=config.queue_timeout,
+                )
+            else:
+                old.speculative, old.backends = config.speculative, backends
+                old.queue_size, old.queue_timeout = config.queue_size, config.queue_timeout
+                pools[name] = old
+        gone = [pool for name, pool in self._pools.items() if name not in pools]
+        self._pools = pools
+        for pool in gone:
+            pool.backends = []
+        for pool in [*pools.values(), *gone]:
+            pool.wake()
 
     def __getitem__(self, name: str) -> Pool:
         return self._pools[name]
+
+    def get(self, name: str) -> Pool | None:
+        return self._pools.get(name)
 
     def __iter__(self) -> Iterator[Pool]:
         return iter(self._pools.values())
@@ -258,11 +309,12 @@ class Pools:
         now = time.monotonic()
         states = {}
         for pool in self:
-            healthy = [b for b in pool.backends if b.healthy]
+            healthy = [b for b in pool.backends if b.accepting]
             fresh = [b.engine for b in healthy if b.engine.fresh(now, stale_after)]
             projected = [kv for b in healthy if (kv := b.kv_projected(now, stale_after)) is not None]
             if not healthy:
-                states[pool.name] = PoolState(pool.speculative, healthy=False)
+                draining = any(b.healthy and b.draining for b in pool.backends)
+                states[pool.name] = PoolState(pool.speculative, healthy=False, draining=draining)
                 continue
             load = {b.name: b.concurrency(now, stale_after) for b in healthy}
             best = min(healthy, key=lambda b: (load[b.name] / b.max_concurrency, b.name))
@@ -294,12 +346,15 @@ class Clients:
     _PURGE_AT = 10_000  # forget faded clients once this many are remembered
 
     def __init__(self, *, memory: float = 0.0, burst_hold: float = 0.0, threshold: int = 4) -> None:
-        self._memory = memory
-        self._burst_hold = burst_hold
-        self._threshold = threshold
+        self.configure(memory=memory, burst_hold=burst_hold, threshold=threshold)
         self._in_flight: dict[str, int] = {}
         self._peaks: dict[str, tuple[float, float]] = {}  # client -> (peak, when)
         self._holds: dict[str, asyncio.Event] = {}  # clients whose first requests are held
+
+    def configure(self, *, memory: float, burst_hold: float, threshold: int) -> None:
+        self._memory = memory
+        self._burst_hold = burst_hold
+        self._threshold = threshold
 
     async def settle(self, client: str) -> None:
         """Hold the first requests of a client not seen lately, for at most `burst_hold` seconds or

@@ -29,9 +29,11 @@ from router.config import Settings
 from router.content import ContentKind, detect_kind, request_text
 from router.errors import (
     BadRequest,
+    NoBackendAvailable,
     PayloadTooLarge,
     RequestTimeout,
     RouterError,
+    ShuttingDown,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -78,6 +80,7 @@ class Call:
     backend: Backend | None = None
     concurrency: int = 0  # requests on the backend when this one was sent, itself included
     status: int = 0
+    streaming: bool = False  # an event stream has started to the client
     ttft: float | None = None
     tokens: int | None = None
     prompt_tokens: int | None = None
@@ -95,14 +98,19 @@ class Proxy:
         upstream: UpstreamPool,
         auth: Auth,
     ) -> None:
-        self._settings = settings
-        self._auth = auth
         self._pools = pools
         self._clients = clients
         self._speeds = speeds
         self._metrics = metrics
         self._upstream = upstream
         self._retrying = 0  # attempts under way that are retries, for the retry budget
+        self._serving: set[anyio.CancelScope] = set()  # one per request being served
+        self.configure(settings, auth)
+
+    def configure(self, settings: Settings, auth: Auth) -> None:
+        """Take (re)loaded settings; requests already under way keep their decision."""
+        self._settings = settings
+        self._auth = auth
         self._classifier = Classifier(
             settings.classify,
             pool_header=settings.headers.pool,
@@ -206,16 +214,35 @@ class Proxy:
 
         async with anyio.create_task_group() as group:
             group.start_soon(watch, group.cancel_scope)
+            self._serving.add(group.cancel_scope)
             try:
                 await self._serve(send, call)
                 served = True
             except RouterError as exc:
                 error = exc  # raised outside the group, which would wrap it in an ExceptionGroup
+            finally:
+                self._serving.discard(group.cancel_scope)
             group.cancel_scope.cancel()
         if gone and not served:  # a client that hangs up after the last byte was served
             raise ClientGone
         if error is not None:
             raise error
+        if not served:  # ended by `end_all`
+            await self._end_for_shutdown(send, call)
+
+    def end_all(self) -> None:
+        """End every request being served: at the end of a shutdown's grace period."""
+        for scope in self._serving:
+            scope.cancel()
+
+    async def _end_for_shutdown(self, send: Send, call: Call) -> None:
+        error = ShuttingDown("the router is shutting down; send the request again", code="shutting_down")
+        call.status = error.status_code
+        if not call.streaming:
+            raise error  # nothing has gone to the client yet
+        # Like a stream whose upstream failed: the events so far, one error event, no [DONE].
+        event = b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+        await send({"type": "http.response.body", "body": event, "more_body": False})
 
     async def _serve(self, send: Send, call: Call) -> None:
         """Send the request upstream; before any byte has gone to the client, try again elsewhere."""
@@ -242,7 +269,9 @@ class Proxy:
     ) -> None:
         assert call.decision is not None
         retry = bool(tried)
-        pool = self._pools[call.decision.pool]
+        pool = self._pools.get(call.decision.pool)
+        if pool is None:  # removed by a reload while this request waited to be retried
+            raise NoBackendAvailable(f"pool {call.decision.pool!r} is no longer configured", code="pool_unavailable")
         queued_at = time.perf_counter()
         backend = await pool.acquire(call.decision.job, exclude=frozenset(tried))
         self._metrics.queue_wait.labels(pool.name, call.decision.job).observe(time.perf_counter() - queued_at)
@@ -327,7 +356,8 @@ class Proxy:
     def _next_pool(self, call: Call, tried: frozenset[str]) -> str | None:
         """Where a retry would go: another backend of the same pool, else another pool."""
         assert call.decision is not None
-        if self._pools[call.decision.pool].has_other(tried):
+        pool = self._pools.get(call.decision.pool)
+        if pool is not None and pool.has_other(tried):
             return call.decision.pool
         if not self._settings.retries.cross_pool or call.decision.reason == "pinned":
             return None
@@ -358,6 +388,7 @@ class Proxy:
         watch = sse.StreamWatch(drop_usage_chunk=drop_usage_chunk)
         headers = response_headers(response.headers, self._route_headers(call))
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        call.streaming = True
         # From here on a byte has gone to the client: nothing may be retried, failures end the
         # stream with an error event.
         try:

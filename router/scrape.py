@@ -121,14 +121,14 @@ class EngineScraper:
     def __init__(self, pools: Pools, upstream: UpstreamPool, *, interval: float, timeout: float) -> None:
         self._pools = pools
         self._upstream = upstream
-        self._interval = interval
-        self._timeout = timeout
+        self.interval = interval  # both replaced on a reload
+        self.timeout = timeout
         self._previous: dict[str, dict[str, list[float]]] = {}
 
     async def run(self) -> None:
         while True:
             await self.scrape_all()
-            await asyncio.sleep(self._interval)
+            await asyncio.sleep(self.interval)
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self._scrape(backend) for backend in self._pools.backends()))
@@ -136,7 +136,7 @@ class EngineScraper:
     async def _scrape(self, backend: Backend) -> None:
         sent_before = backend.in_flight
         try:
-            async with asyncio.timeout(self._timeout):
+            async with asyncio.timeout(self.timeout):
                 status, body = await self._upstream.get(backend.url + "/metrics", headers=backend.auth_headers)
             if status != 200:
                 return

@@ -28,7 +28,7 @@ def status(settings: Settings, pools: Pools, speeds: SpeedModel) -> dict[str, An
         "pools": {
             pool.name: {
                 "speculative": pool.speculative,
-                "healthy": pool.healthy,
+                "accepting": pool.accepting,
                 "in_flight": pool.in_flight,
                 "queued": {"interactive": pool.queued("interactive"), "batch": pool.queued("batch")},
                 "backends": {
@@ -55,6 +55,7 @@ def _backend(
             ]
     view: dict[str, Any] = {
         "healthy": backend.healthy,
+        "draining": backend.draining,
         "ejected_seconds_left": round(max(0.0, backend.ejected_until - now), 3),
         "in_flight": backend.in_flight,
         "max_concurrency": backend.max_concurrency,

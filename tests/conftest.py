@@ -3,14 +3,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
 from router.app import create_app
-from router.config import Settings
+from router.config import Settings, load_settings
 from tests.fake_engine import FakeEngine
 from tests.servers import ServerThread
 
@@ -27,6 +30,7 @@ class Cluster:
         self.team = team
         self.router = router
         self.registry = registry
+        self.config: dict[str, Any] = {}  # the settings it started with, as plain data
 
     @property
     def base_url(self) -> str:
@@ -49,13 +53,17 @@ class Cluster:
 
 
 def settings_for(fast_url: str, team_url: str, **overrides: Any) -> Settings:
+    return Settings(**settings_data(fast_url, team_url, **overrides))
+
+
+def settings_data(fast_url: str, team_url: str, **overrides: Any) -> dict[str, Any]:
     data: dict[str, Any] = {
         "pools": {
             "fast": {"speculative": True, "backends": {"fast-1": {"url": fast_url, "max_concurrency": 8}}},
             "team": {"speculative": False, "backends": {"team-1": {"url": team_url, "max_concurrency": 8}}},
         }
     }
-    return Settings(**_merge(data, overrides))
+    return _merge(data, overrides)
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
@@ -69,8 +77,9 @@ def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextmanager
-def running_cluster(*, fast_backends: int = 1, **overrides: Any) -> Iterator[Cluster]:
-    """Fake engines and a router; `fast_backends` > 1 adds engines `fast-2`, ... to pool `fast`."""
+def running_cluster(*, fast_backends: int = 1, config_file: Path | None = None, **overrides: Any) -> Iterator[Cluster]:
+    """Fake engines and a router; `fast_backends` > 1 adds engines `fast-2`, ... to pool `fast`.
+    With `config_file`, the settings are written there as YAML and a reload reads that file."""
     with ExitStack() as stack:
         fast, team = FakeEngine(), FakeEngine()
         fast_server = stack.enter_context(ServerThread(fast.app()))
@@ -81,13 +90,18 @@ def running_cluster(*, fast_backends: int = 1, **overrides: Any) -> Iterator[Clu
             for i, engine in enumerate(more)
         }
         registry = CollectorRegistry()
-        settings = settings_for(
+        data = settings_data(
             fast_server.url, team_server.url, **_merge({"pools": {"fast": {"backends": extra}}}, overrides)
         )
-        app = create_app(settings, registry=registry)
+        load = None
+        if config_file is not None:
+            config_file.write_text(yaml.safe_dump(data))
+            load = partial(load_settings, config_file)
+        app = create_app(Settings(**data), registry=registry, load=load)
         router = stack.enter_context(ServerThread(app, fast=True))
         cluster = Cluster(fast, team, router, app, registry)
         cluster.more_fast = more
+        cluster.config = data
         yield cluster
 
 

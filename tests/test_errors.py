@@ -127,13 +127,14 @@ def test_unreachable_backend_is_502_then_503(make_cluster: Any) -> None:
         dead = {"fast": {"backends": {"fast-1": {"url": _dead_url(placeholder)}}}}
         with make_cluster(pools=dead, routing={"mode": "static"}, retries={"attempts": 1}) as cluster:
             # The startup health check found it down: fail fast, with a hint when to retry.
-            response = httpx.post(cluster.base_url + "/completions", json={"model": "test-model"})
+            pinned = {"X-Route-Pool": "fast"}  # else interactive work leaves a dead pool
+            response = httpx.post(cluster.base_url + "/completions", json={"model": "test-model"}, headers=pinned)
             _assert_openai_error(response, 503, "pool_unavailable")
             assert response.headers["retry-after"].isdigit()
             assert httpx.get(cluster.router.url + "/readyz").json()["backends"]["fast-1"] is False
             # Pretend the checker saw it up: the request itself now meets the dead port.
-            cluster.app.state.pools["fast"].backends[0].healthy = True
-            response = httpx.post(cluster.base_url + "/completions", json={"model": "test-model"})
+            cluster.app.state.router.pools["fast"].backends[0].healthy = True
+            response = httpx.post(cluster.base_url + "/completions", json={"model": "test-model"}, headers=pinned)
             _assert_openai_error(response, 502, "upstream_unreachable")
             assert (
                 cluster.settled_metric(

@@ -112,3 +112,19 @@ def test_pinned_and_static() -> None:
     busy = spec(concurrency=30, engine_queued=9, kv_usage=0.99)
     assert _decide(INTERACTIVE, busy, std(), mode="static") == Decision("fast", "interactive", "default")
     assert _decide(BATCH, spec(), std(), mode="static").pool == "team"
+
+
+@pytest.mark.parametrize("mode", ["static", "crossover", "adaptive"])
+@pytest.mark.parametrize(
+    ("fast", "reason"),
+    [
+        (spec(healthy=False), "spill:spec-down"),
+        (spec(healthy=False, draining=True), "spill:spec-draining"),
+    ],
+)
+def test_interactive_work_leaves_a_speculative_pool_that_takes_none_in_every_mode(
+    mode: str, fast: PoolState, reason: str
+) -> None:
+    assert _decide(INTERACTIVE, fast, std(), mode=mode) == Decision("team", "interactive", reason)
+    # ...but not for a standard pool that cannot take it either: the pool's own 503 is the answer.
+    assert _decide(INTERACTIVE, fast, std(healthy=False), mode=mode).pool == "fast"

@@ -33,7 +33,7 @@ def _events(response: httpx.Response) -> list[str]:
 
 def test_refused_connection_is_retried_on_the_other_pool_before_the_first_byte(make_cluster: Any) -> None:
     with dead_url() as dead, make_cluster(pools={"fast": {"backends": {"fast-1": {"url": dead}}}}) as cluster:
-        cluster.app.state.pools["fast"].backends[0].healthy = True  # as if the engine just died
+        cluster.app.state.router.pools["fast"].backends[0].healthy = True  # as if the engine just died
         response = _post(cluster, stream=True)
         assert response.status_code == 200
         assert response.headers["x-route-pool"] == "team"
@@ -109,7 +109,7 @@ def test_stalled_stream_ends_with_one_error_event_at_the_idle_timeout(make_clust
 def test_failing_backend_is_ejected_for_growing_times_and_readmitted(make_cluster: Any) -> None:
     health = {"interval": 0.05, "eject_after": 2, "ejection_seconds": 0.4, "healthy_after": 1}
     with make_cluster(health=health, routing={"mode": "static"}) as cluster:
-        backend = cluster.app.state.pools["fast"].backends[0]
+        backend = cluster.app.state.router.pools["fast"].backends[0]
         cluster.fast.fail_status = 503
         for _ in range(2):
             assert _post(cluster).headers["x-route-pool"] == "team"  # failed over each time
@@ -141,7 +141,7 @@ def test_failing_backend_is_ejected_for_growing_times_and_readmitted(make_cluste
 def test_active_checks_take_a_backend_out_and_back_by_thresholds(make_cluster: Any) -> None:
     health = {"interval": 0.05, "unhealthy_after": 3, "healthy_after": 2}
     with make_cluster(health=health) as cluster:
-        backend = cluster.app.state.pools["team"].backends[0]
+        backend = cluster.app.state.router.pools["team"].backends[0]
         cluster.team.healthy = False
         deadline = time.monotonic() + 3
         while backend.healthy and time.monotonic() < deadline:

@@ -19,6 +19,7 @@ from starlette.applications import Starlette
 
 from router.app import create_app
 from router.config import Settings
+from router.server import RouterServer
 from router.sim.profile import Profile, load_profile
 from router.sim.server import create_sim_app
 
@@ -120,10 +121,10 @@ async def serve_cluster(
     router_sock = _bind(host, port)
     settings = cluster_settings(urls, host=host, port=router_sock.getsockname()[1], time_scale=time_scale)
     apps.append((create_app(settings), router_sock))
-    servers = [
-        uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, server_header=False))
-        for app, _ in apps
-    ]
+    configs = [uvicorn.Config(app, log_level="warning", access_log=False, server_header=False) for app, _ in apps]
+    # The router's server shuts down gracefully; it is the last one started, so the first to hear
+    # SIGTERM or Ctrl-C (see the end).
+    servers = [*(uvicorn.Server(config) for config in configs[:-1]), RouterServer(configs[-1])]
     tasks = [asyncio.create_task(server.serve(sockets=[sock])) for server, (_, sock) in zip(servers, apps, strict=True)]
     while not all(server.started for server in servers):
         if any(task.done() for task in tasks):

@@ -1,0 +1,63 @@
+"""The admin API: drain and resume backends or pools, reload the configuration.
+
+Every route asks for the admin key (`auth.admin_key_env`) before it reads anything else; with
+no admin key configured the API is off (403). Client keys never open it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from router.errors import BadRequest
+from router.headers import bearer
+from router.pools import Backend
+from router.runtime import Router
+
+
+def admin_routes(router: Router) -> list[Route]:
+    async def drain(request: Request) -> Response:
+        return await _set_draining(request, router, draining=True)
+
+    async def resume(request: Request) -> Response:
+        return await _set_draining(request, router, draining=False)
+
+    async def reload(request: Request) -> Response:
+        router.auth.check_admin(bearer(request.headers.get("authorization")))
+        return JSONResponse({"reloaded": True, **router.reload()})
+
+    return [
+        Route("/admin/drain", drain, methods=["POST"]),
+        Route("/admin/resume", resume, methods=["POST"]),
+        Route("/admin/reload", reload, methods=["POST"]),
+    ]
+
+
+async def _set_draining(request: Request, router: Router, *, draining: bool) -> Response:
+    router.auth.check_admin(bearer(request.headers.get("authorization")))
+    target = _target(await request.body())
+    backends = router.set_draining(pool=target.get("pool"), backend=target.get("backend"), draining=draining)
+    return JSONResponse({"draining": draining, "backends": [_view(backend) for backend in backends]})
+
+
+def _target(body: bytes) -> dict[str, str]:
+    """`{"pool": NAME}` or `{"backend": NAME}`, exactly one of them."""
+    try:
+        payload: Any = json.loads(body)
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(payload, dict) or len(payload) != 1 or not payload.keys() <= {"pool", "backend"}:
+        raise BadRequest('send {"pool": NAME} or {"backend": NAME}', code="invalid_target")
+    [(key, name)] = payload.items()
+    if not isinstance(name, str):
+        raise BadRequest(f"{key} must be a string", param=key, code="invalid_target")
+    return {key: name}
+
+
+def _view(backend: Backend) -> dict[str, Any]:
+    # `in_flight` reaching 0 is the operator's sign that the engine may be restarted.
+    return {"pool": backend.pool, "backend": backend.name, "draining": backend.draining, "in_flight": backend.in_flight}

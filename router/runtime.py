@@ -1,0 +1,173 @@
+"""`Router`: one router's parts, built from its settings, and what an operator does to it while
+it runs — reload the settings, drain and resume backends, shut down gracefully.
+
+A reload changes the parts in place rather than building new ones: requests under way keep
+their pool and backend, a backend still configured with the same URL keeps its requests in
+flight, health, engine readings and learned speeds, and nothing listening is restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from router.auth import Auth
+from router.config import ConfigError, Settings, masked
+from router.errors import BadRequest, Conflict, NotFound
+from router.health import HealthChecker
+from router.learn import SpeedModel
+from router.metrics import Metrics
+from router.models import ModelCatalog
+from router.pools import Backend, Clients, Pools
+from router.proxy import Proxy
+from router.scrape import EngineScraper
+from router.upstream import UpstreamPool
+
+logger = logging.getLogger("specroute")
+
+# Settings that a running router cannot take: its socket is already bound.
+_NEEDS_RESTART = ("listen.",)
+
+
+class Router:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: CollectorRegistry | None = None,
+        load: Callable[[], Settings] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._load = load  # where a reload reads the settings from; None: nowhere
+        self.shutting_down = False
+        self.pools = Pools(settings)
+        self.speeds = SpeedModel()
+        self.metrics = Metrics(
+            registry if registry is not None else CollectorRegistry(),
+            self.pools,
+            self.speeds,
+            stale_after=settings.scrape.stale_after,
+        )
+        self.upstream = UpstreamPool(
+            connect_timeout=settings.timeouts.connect,
+            read_timeout=settings.timeouts.read,
+            idle_timeout=settings.timeouts.idle,
+            max_idle_per_origin=_max_concurrency(self.pools),
+        )
+        self.clients = Clients(
+            memory=settings.classify.client_memory_seconds,
+            burst_hold=settings.classify.burst_hold_seconds,
+            threshold=settings.classify.batch_inflight_threshold,
+        )
+        self.auth = Auth(settings.auth)
+        self.proxy = Proxy(
+            settings,
+            pools=self.pools,
+            clients=self.clients,
+            speeds=self.speeds,
+            metrics=self.metrics,
+            upstream=self.upstream,
+            auth=self.auth,
+        )
+        self.catalog = ModelCatalog(
+            self.pools, self.upstream, ttl=settings.models_cache_seconds, timeout=settings.health.timeout
+        )
+        self.health = HealthChecker(self.pools, self.upstream, settings.health)
+        self.scraper = EngineScraper(
+            self.pools, self.upstream, interval=settings.scrape.interval, timeout=settings.scrape.timeout
+        )
+
+    def reload(self) -> dict[str, list[str]]:
+        """Read the settings again and apply them; an invalid file changes nothing (BadRequest)."""
+        if self._load is None:
+            raise Conflict("this router was not started from a configuration file", code="nothing_to_reload")
+        try:
+            settings = self._load()
+        except ConfigError as exc:
+            self.metrics.reloads.labels("invalid").inc()
+            raise BadRequest(
+                f"configuration not reloaded, the running one is kept: {exc}", code="invalid_config"
+            ) from exc
+        changed = self.apply(settings)
+        self.metrics.reloads.labels("applied").inc()
+        return changed
+
+    def reload_logged(self) -> None:
+        """A reload asked for by a signal: the outcome goes to the log."""
+        try:
+            result = self.reload()
+        except (BadRequest, Conflict) as exc:
+            logger.error("reload: %s", exc.message)
+        else:
+            logger.info("reload: applied; changed: %s", ", ".join(result["changed"]) or "nothing")
+            if result["needs_restart"]:
+                logger.warning("reload: takes effect only after a restart: %s", ", ".join(result["needs_restart"]))
+
+    def apply(self, settings: Settings) -> dict[str, list[str]]:
+        """Take new settings in place; returns the settings that changed, and those of them that
+        only a restart can apply."""
+        changed = _differences(masked(self.settings), masked(settings))
+        self.pools.reconcile(settings)
+        self.auth = Auth(settings.auth)
+        self.proxy.configure(settings, self.auth)
+        self.clients.configure(
+            memory=settings.classify.client_memory_seconds,
+            burst_hold=settings.classify.burst_hold_seconds,
+            threshold=settings.classify.batch_inflight_threshold,
+        )
+        self.upstream.connect_timeout = settings.timeouts.connect
+        self.upstream.read_timeout = settings.timeouts.read
+        self.upstream.idle_timeout = settings.timeouts.idle
+        self.upstream.max_idle = _max_concurrency(self.pools)
+        self.metrics.configure(stale_after=settings.scrape.stale_after)
+        self.catalog.configure(ttl=settings.models_cache_seconds, timeout=settings.health.timeout)
+        self.health.config = settings.health
+        self.scraper.interval = settings.scrape.interval
+        self.scraper.timeout = settings.scrape.timeout
+        self.settings = settings
+        return {"changed": changed, "needs_restart": [key for key in changed if key.startswith(_NEEDS_RESTART)]}
+
+    def set_draining(self, *, pool: str | None = None, backend: str | None = None, draining: bool) -> list[Backend]:
+        """Drain (or resume) one backend, or every backend of a pool: a drained backend takes no
+        new work, and its running requests finish."""
+        if pool is not None:
+            found = self.pools.get(pool)
+            if found is None:
+                raise NotFound(f"no pool named {pool!r}", param="pool", code="unknown_pool")
+            backends = found.backends
+        else:
+            backends = [b for b in self.pools.backends() if b.name == backend]
+            if not backends:
+                raise NotFound(f"no backend named {backend!r}", param="backend", code="unknown_backend")
+        for target in backends:
+            target.draining = draining
+        for each in self.pools:
+            each.wake()  # resumed: queued work may go there; drained: a queue with nowhere to go fails
+        logger.info("%s %s", "draining" if draining else "resumed", ", ".join(b.name for b in backends))
+        return backends
+
+    def begin_shutdown(self) -> None:
+        """The start of a graceful shutdown: running requests have the grace period to finish."""
+        self.shutting_down = True
+        grace = self.settings.shutdown.grace_seconds
+        logger.info("shutting down: running requests have %g s to finish", grace)
+        asyncio.get_running_loop().call_later(grace, self.proxy.end_all)
+
+
+def _max_concurrency(pools: Pools) -> int:
+    # The connection pool keeps as many idle connections per backend as may be busy at once.
+    return max((backend.max_concurrency for backend in pools.backends()), default=1)
+
+
+def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the settings that differ between two plain-data trees."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        changed = []
+        for key in sorted(set(old) | set(new), key=str):
+            changed += _differences(old.get(key), new.get(key), f"{prefix}{key}.")
+        return changed
+    return [prefix.removesuffix(".")] if old != new else []
