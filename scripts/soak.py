@@ -297,7 +297,7 @@ def error_outcome(status: int, raw: bytes, invalid: bool) -> str:
         return f"unexpected:unshaped-{status}"
     if status == 400:
         return "400" if invalid else "unexpected:400"
-    return str(status) if str(status) in EXPECTED else f"unexpected:{status}"
+    return f"{status} {error['code']}" if str(status) in EXPECTED else f"unexpected:{status}"
 
 
 def stream_outcome(events: list[str]) -> str:
@@ -436,7 +436,7 @@ def _run(args: argparse.Namespace, out: Path, base: str, router_pid: int, engine
     left_in_router = settle(gauges)
     left_at_engines = settle(lambda: sum(engine.stats().get("open", 0) for engine in engines))
     rss.append((round(time.monotonic() - started, 1), rss_mb(router_pid)))
-    unexpected = {k: v for k, v in outcomes.items() if k not in EXPECTED}
+    unexpected = {k: v for k, v in outcomes.items() if k.split()[0] not in EXPECTED}
     warm = next((mb for t, mb in rss if t >= elapsed * 0.25), rss[0][1])
     result = {
         "requests": sum(outcomes.values()),
