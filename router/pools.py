@@ -309,22 +309,22 @@ class Pools:
         now = time.monotonic()
         states = {}
         for pool in self:
-            healthy = [b for b in pool.backends if b.accepting]
-            fresh = [b.engine for b in healthy if b.engine.fresh(now, stale_after)]
-            projected = [kv for b in healthy if (kv := b.kv_projected(now, stale_after)) is not None]
-            if not healthy:
+            accepting = [b for b in pool.backends if b.accepting]
+            fresh = [b.engine for b in accepting if b.engine.fresh(now, stale_after)]
+            projected = [kv for b in accepting if (kv := b.kv_projected(now, stale_after)) is not None]
+            if not accepting:
                 draining = any(b.healthy and b.draining for b in pool.backends)
                 states[pool.name] = PoolState(pool.speculative, healthy=False, draining=draining)
                 continue
-            load = {b.name: b.concurrency(now, stale_after) for b in healthy}
-            best = min(healthy, key=lambda b: (load[b.name] / b.max_concurrency, b.name))
+            load = {b.name: b.concurrency(now, stale_after) for b in accepting}
+            best = min(accepting, key=lambda b: (load[b.name] / b.max_concurrency, b.name))
             concurrency = load[best.name]
             gain = best.engine.accept_length if best.engine.fresh(now, stale_after) else None
             kinds: tuple[ContentKind, ...] = ("prose", "code")
             states[pool.name] = PoolState(
                 speculative=pool.speculative,
                 concurrency=concurrency,
-                has_room=not pool.queued() and any(b.has_room for b in healthy),
+                has_room=not pool.queued() and any(b.has_room for b in accepting),
                 engine_queued=sum(e.queued or 0 for e in fresh),
                 kv_usage=min(projected, default=None),  # the emptiest backend is where it would go
                 speed={
