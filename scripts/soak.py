@@ -10,6 +10,7 @@ per engine an outage every --outage-every seconds: the process is killed, so con
 refused, and started again on its port 5 s later (health checks readmit it).
 Faults at the clients: cancellations before the response, right after it starts, mid-stream;
 non-streaming requests; a batch client with many requests in flight; a few invalid bodies.
+Clients back off 1 s after a 503, as its Retry-After asks; otherwise there is no think time.
 
 At the end: every request's outcome (an `unexpected` one is a defect: a 500, a stream cut
 without an error event, an error not in OpenAI's shape, a client-side exception); the router's
@@ -236,10 +237,8 @@ def rss_mb(pid: int) -> float:
 EXPECTED = {"ok", "cancelled", "stream-error", "400", "502", "503", "504"}
 
 
-async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random) -> str:
+async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, user: str) -> str:
     """Send one request of a random kind; return its outcome."""
-    batch = rng.random() < 0.3
-    user = "batch-job" if batch else f"user-{rng.randrange(12)}"
     streaming = rng.random() < 0.8
     body: dict[str, Any] = {
         "model": MODEL,
@@ -329,9 +328,15 @@ async def load(url: str, *, concurrency: int, requests: int | None, duration: fl
 
     async def worker(number: int) -> None:
         rng = random.Random(seed * 1000 + number)
+        # A quarter of the workers are one batch job (one `user`, many requests in flight); the
+        # others are interactive users, one request at a time each.
+        user = "batch-job" if number % 4 == 0 else f"user-{number}"
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=4)) as client:
             while more():
-                outcomes[await one_request(client, url, rng)] += 1
+                outcome = await one_request(client, url, rng, user)
+                outcomes[outcome] += 1
+                if outcome.startswith("503"):
+                    await asyncio.sleep(1)  # back off, as Retry-After asks (it is at least 1 s)
 
     await asyncio.gather(*(worker(n) for n in range(concurrency)))
     return outcomes
