@@ -188,6 +188,7 @@ def test_reload_applies_a_valid_file_and_the_running_stream_goes_on(
 
         data = json.loads(json.dumps(cluster.config))
         data["routing"] = {"mode": "static"}
+        data["listen"] = {"port": 9}  # the socket is bound: a restart's job
         data["pools"]["fast"]["backends"]["fast-1"]["max_concurrency"] = 2
         del data["pools"]["fast"]["backends"]["fast-2"]  # removed while a stream runs on it
         data["pools"]["team"]["backends"]["team-2"] = {"url": data["pools"]["team"]["backends"]["team-1"]["url"]}
@@ -197,12 +198,13 @@ def test_reload_applies_a_valid_file_and_the_running_stream_goes_on(
         assert answer.json() == {
             "reloaded": True,
             "changed": [
+                "listen.port",
                 "pools.fast.backends.fast-1.max_concurrency",
                 "pools.fast.backends.fast-2",
                 "pools.team.backends.team-2",
                 "routing.mode",
             ],
-            "needs_restart": [],
+            "needs_restart": ["listen.port"],
         }
         status = _status(cluster)
         assert status["routing"]["mode"] == "static"
