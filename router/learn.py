@@ -87,6 +87,11 @@ class SpeedModel:
     ) -> None:
         self._curves.setdefault((backend, kind), Curve()).observe(concurrency, speed, gain)
 
+    def forget(self, backend: str) -> None:
+        """Drop what was learned of a backend (another engine now answers under its name)."""
+        for key in [key for key in self._curves if key[0] == backend]:
+            del self._curves[key]
+
     def curve(self, backend: str, kind: ContentKind) -> Curve | None:
         return self._curves.get((backend, kind))
 

@@ -255,11 +255,13 @@ class Pools:
         self._pools: dict[str, Pool] = {}
         self.reconcile(settings)
 
-    def reconcile(self, settings: Settings) -> None:
+    def reconcile(self, settings: Settings) -> set[str]:
         """Take a (re)loaded configuration. A backend still configured in the same pool with the
         same URL is kept, with its requests in flight, health and readings; others are new.
         Requests running on a backend or pool that is gone finish there; its queue is failed.
+        Returns the names of the backends that were not kept (new, gone, or at another URL).
         """
+        before = {backend.name: backend for backend in self.backends()}
         pools: dict[str, Pool] = {}
         for name, config in settings.pools.items():
             old = self._pools.get(name)
@@ -290,6 +292,8 @@ class Pools:
             pool.backends = []
         for pool in [*pools.values(), *gone]:
             pool.wake()
+        after = {backend.name: backend for backend in self.backends()}
+        return {name for name in before.keys() | after.keys() if before.get(name) is not after.get(name)}
 
     def __getitem__(self, name: str) -> Pool:
         return self._pools[name]

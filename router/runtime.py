@@ -111,7 +111,8 @@ class Router:
         """Take new settings in place; returns the settings that changed, and those of them that
         only a restart can apply."""
         changed = _differences(masked(self.settings), masked(settings))
-        self.pools.reconcile(settings)
+        for name in self.pools.reconcile(settings):
+            self.speeds.forget(name)
         self.auth = Auth(settings.auth)
         self.proxy.configure(settings, self.auth)
         self.clients.configure(

@@ -41,3 +41,13 @@ def test_crossover_is_where_speculation_stops_paying() -> None:
         model.observe("team-1", "prose", concurrency=level, speed=slow)
     assert crossover(model, "fast-1", ["team-1"], "prose") == 3
     assert crossover(model, "fast-1", ["team-1"], "code") is None  # nothing known of code yet
+
+
+def test_forget_drops_only_that_backends_curves() -> None:
+    model = SpeedModel()
+    for backend in ("a", "b"):
+        model.observe(backend, "prose", concurrency=1, speed=50.0)
+        model.observe(backend, "code", concurrency=1, speed=80.0)
+    model.forget("a")
+    assert model.curve("a", "prose") is None and model.curve("a", "code") is None
+    assert model.curve("b", "prose") is not None

@@ -7,8 +7,9 @@ import asyncio
 import pytest
 
 from router.config import Backend as BackendConfig
+from router.config import Settings
 from router.errors import NoBackendAvailable
-from router.pools import Backend, Pool
+from router.pools import Backend, Pool, Pools
 
 
 def _pool(*, slots: int = 1, queue_size: int = 8, queue_timeout: float = 5.0) -> Pool:
@@ -136,3 +137,38 @@ def test_kv_usage_is_projected_with_the_requests_sent_since_the_scrape() -> None
     backend.in_flight = 15  # five more sent since the scrape: the engine has not reported them yet
     assert backend.kv_projected(now, 5) == pytest.approx(0.64)
     assert backend.kv_projected(now + 10, 5) is None  # stale
+
+
+@pytest.mark.anyio
+async def test_queued_requests_fail_at_once_when_the_last_backend_is_drained() -> None:
+    """Pass: the queued request gets 503 `pool_unavailable` as soon as the drain is applied, not
+    at the end of queue_timeout; the running one keeps its slot."""
+    pool = _pool(slots=1, queue_timeout=30)
+    running = await pool.acquire("interactive")
+    queued = asyncio.create_task(pool.acquire("batch"))
+    await asyncio.sleep(0)
+    assert pool.queued() == 1
+    running.draining = True
+    pool.wake()
+    with pytest.raises(NoBackendAvailable, match="being drained"):
+        await asyncio.wait_for(queued, 1)
+    assert pool.queued() == 0 and running.in_flight == 1
+    pool.release(running)
+    assert running.in_flight == 0
+
+
+def test_reconcile_keeps_a_backend_with_the_same_url_and_names_the_others() -> None:
+    """Pass: a backend configured again at the same URL is the same object (its in-flight count
+    and health stay), one at a new URL is new, and the names of the new and the gone come back."""
+
+    def settings(**backends: str) -> Settings:
+        pools = {"p": {"speculative": True, "backends": {n: {"url": u} for n, u in backends.items()}}}
+        return Settings(pools=pools)  # type: ignore[arg-type]
+
+    pools = Pools(settings(a="http://a:1", b="http://b:1", c="http://c:1"))
+    a = pools["p"].backends[0]
+    a.in_flight, a.healthy = 3, False
+    replaced = pools.reconcile(settings(a="http://a:1", b="http://b:2", d="http://d:1"))
+    kept = {backend.name: backend for backend in pools["p"].backends}
+    assert kept["a"] is a and (a.in_flight, a.healthy) == (3, False)
+    assert replaced == {"b", "c", "d"}
