@@ -139,6 +139,36 @@ def test_sigterm_refuses_new_connections_lets_streams_finish_within_grace_then_e
     assert fake.wait_idle(2.0) and fake.aborted == 1  # and its upstream request was closed
 
 
+def test_a_whole_answer_still_awaited_when_the_grace_period_ends_gets_503_shutting_down(
+    engine: tuple[FakeEngine, str], tmp_path: Path
+) -> None:
+    fake, engine_url = engine
+    config = _config(tmp_path / "router.yaml", engine_url, shutdown={"grace_seconds": 0.5})
+    with serve(config) as (process, url):
+
+        async def scenario() -> httpx.Response:
+            body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
+            async with httpx.AsyncClient(timeout=30) as client:
+                waiting = asyncio.create_task(client.post(url + "/v1/chat/completions", json=body))
+                polling = True  # until the engine has it (about 10 s of work): another thread's state
+                while polling:
+                    await asyncio.sleep(0.01)
+                    polling = not fake.open
+                process.send_signal(signal.SIGTERM)
+                return await waiting
+
+        response = asyncio.run(scenario())
+        assert process.wait(timeout=10) == 0
+    assert response.status_code == 503
+    assert response.json()["error"] == {
+        "message": "the router is shutting down; send the request again",
+        "type": "service_unavailable",
+        "param": None,
+        "code": "shutting_down",
+    }
+    assert fake.wait_idle(2.0) and fake.aborted == 1  # the engine was told: its request closed
+
+
 def test_the_openai_client_sees_the_shutdown_as_an_api_error_after_the_chunks_so_far(
     engine: tuple[FakeEngine, str], tmp_path: Path
 ) -> None:
