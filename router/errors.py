@@ -43,6 +43,10 @@ class RouterError(Exception):
             }
         }
 
+    def event(self) -> bytes:
+        """The error as one server-sent event: how a stream that has already started ends."""
+        return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
+
     def headers(self) -> dict[str, str]:
         return {}
 

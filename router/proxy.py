@@ -241,8 +241,7 @@ class Proxy:
         if not call.streaming:
             raise error  # nothing has gone to the client yet
         # Like a stream whose upstream failed: the events so far, one error event, no [DONE].
-        event = b"data: " + json.dumps(error.body()).encode() + b"\n\n"
-        await send({"type": "http.response.body", "body": event, "more_body": False})
+        await send({"type": "http.response.body", "body": error.event(), "more_body": False})
 
     async def _serve(self, send: Send, call: Call) -> None:
         """Send the request upstream; before any byte has gone to the client, try again elsewhere."""
@@ -404,7 +403,7 @@ class Proxy:
             error, _ = self._upstream_failure(call.backend, exc)
             call.backend.request_failed(time.monotonic(), self._settings.health)
             call.status = error.status_code
-            tail = b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+            tail = error.event()
         call.tokens = watch.completion_tokens
         call.prompt_tokens = sse.prompt_tokens(watch.usage)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
