@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import itertools
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import time
 from pathlib import Path
 
 import httpx
+from loopback import free_port, wait_until_up
 
 UPSTREAM = textwrap.dedent(
     """
@@ -74,28 +74,9 @@ UPSTREAM = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_ready(url: str) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
 
 
 async def stream(client: httpx.AsyncClient, url: str, chunks: int, interval: float) -> tuple[float, list[float]]:
@@ -150,8 +131,8 @@ def main() -> None:
         )  # fmt: skip
         try:
             direct, routed = f"http://127.0.0.1:{upstream_port}", f"http://127.0.0.1:{router_port}"
-            wait_ready(direct + "/health")
-            wait_ready(routed + "/readyz")
+            wait_until_up(direct + "/health", upstream)
+            wait_until_up(routed + "/readyz", router)
             asyncio.run(run(routed, args.paced_streams, 5, 0))  # open the router's upstream connections
 
             before = cpu_seconds(router.pid)

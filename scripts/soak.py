@@ -31,7 +31,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from loopback import free_port, wait_until_up
 
 MODEL = "soak-model"
 TOKEN_DELAY = 0.03  # seconds between an engine's tokens
@@ -152,27 +152,6 @@ def run_engine(port: int) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Processes.
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def wait_until_up(url: str, process: subprocess.Popen[bytes], timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"{url}: the process exited with {process.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url}: not up after {timeout} s")
 
 
 class Engine:
