@@ -132,6 +132,45 @@ class Timeouts(_Model):
     idle: float = Field(default=60.0, gt=0)
     # Longest time a client may take to send its request body.
     client_body: float = Field(default=30.0, gt=0)
+    # Longest time a client may take to send a request's head (line and headers); then the
+    # connection is closed. Slow-header clients cannot hold connections open.
+    request_head: float = Field(default=10.0, gt=0)
+    # How long an idle client keep-alive connection is kept open between requests.
+    keep_alive: float = Field(default=5.0, gt=0)
+    # Longest time a client may leave streamed data untaken; then its stream is closed and the
+    # engine request cancelled, so a client that stops reading cannot hold a backend slot.
+    client_write: float = Field(default=30.0, gt=0)
+
+
+class Limits(_Model):
+    """Hard limits on what clients and engines may send; each is answered, never buffered past."""
+
+    # A client's request head (request line and headers): larger -> 431, nothing forwarded.
+    # nginx allows 4 x 8 KiB by default, Envoy 60 KiB.
+    request_head_bytes: int = Field(default=64 * 1024, ge=1024)
+    request_headers: int = Field(default=100, ge=1)
+    # Open client connections; more are refused at once rather than running out of descriptors.
+    max_connections: int = Field(default=4096, ge=1)
+    # JSON nested deeper than this is 400 invalid_json (Python's parser would recurse).
+    json_depth: int = Field(default=64, ge=1)
+    # An engine's response head, and a whole (not streamed) response body: larger -> 502.
+    response_head_bytes: int = Field(default=64 * 1024, ge=1024)
+    response_headers: int = Field(default=100, ge=1)
+    response_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    # One server-sent event of a stream: larger ends the stream with an error event.
+    sse_event_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+
+
+class Tls(_Model):
+    """How the router checks engines served over https (the system trust store by default)."""
+
+    # A PEM bundle of the CAs to trust instead of the system store.
+    ca_bundle: str | None = None
+    # A client certificate (PEM) and its key, for engines that require one.
+    client_cert: str | None = None
+    client_key: str | None = None
+    # false: do not verify the engines' certificates at all (named explicitly; never the default).
+    verify: bool = True
 
 
 class Health(_Model):
@@ -190,6 +229,8 @@ class Settings(BaseSettings):
     retries: Retries = Retries()
     auth: Auth = Auth()
     shutdown: Shutdown = Shutdown()
+    limits: Limits = Limits()
+    tls: Tls = Tls()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     models_cache_seconds: float = Field(default=5.0, ge=0)
     # Pass the client's Authorization header upstream when the backend has no key of its own.
