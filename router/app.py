@@ -31,7 +31,11 @@ def create_app(
     router = Router(settings, registry=registry, load=load)
 
     async def healthz(request: Request) -> Response:
+        # Also served at /health, the path vLLM and SGLang use, which load tools probe first.
         return JSONResponse({"status": "ok"})
+
+    async def version(request: Request) -> Response:
+        return JSONResponse(router.build.as_dict())
 
     async def readyz(request: Request) -> Response:
         backends = {b.name: b.accepting for b in router.pools.backends()}
@@ -51,8 +55,12 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await router.health.check_all(first=True)
-        tasks = [asyncio.create_task(router.health.run()), asyncio.create_task(router.scraper.run())]
+        await asyncio.gather(router.health.check_all(first=True), router.catalog.learn_names())
+        tasks = [
+            asyncio.create_task(router.health.run()),
+            asyncio.create_task(router.scraper.run()),
+            asyncio.create_task(router.catalog.run()),  # the model names the metrics may use
+        ]
         try:
             yield
         finally:
@@ -79,6 +87,8 @@ def create_app(
     app = Starlette(
         routes=[
             Route("/healthz", healthz),
+            Route("/health", healthz),
+            Route("/version", version),
             Route("/readyz", readyz),
             Route("/metrics", prometheus),
             Route("/v1/models", models),

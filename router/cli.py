@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import signal
 import sys
@@ -13,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import uvicorn
 
+from router import logs
 from router.app import create_app
 from router.config import CONFIG_ENV, ConfigError, Settings, load_settings, masked
 from router.server import RouterServer
@@ -34,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--time-scale", type=float, default=1.0, help="simulated cluster only: run N times faster than real time"
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--log-format", choices=["text", "json"], help="log lines as text or JSON (overrides log.format)"
+    )
 
     check = commands.add_parser("check-config", help="validate a settings file and print it resolved")
     check.add_argument("file")
@@ -80,21 +83,15 @@ def _check_config(path: str) -> int:
     return 0
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    # httpx logs every request it sends at INFO: health probes and upstream calls are not news.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
 def _serve(args: argparse.Namespace) -> int:
     if args.config is None and not os.environ.get(CONFIG_ENV):
         from router.sim.cluster import serve_cluster
 
-        _logging(args.log_level)
+        logs.configure(args.log_level, args.log_format or "text")
         asyncio.run(
             serve_cluster(
-                host=args.host or "127.0.0.1",
-                port=8000 if args.port is None else args.port,
+                host=args.host,
+                port=args.port,
                 time_scale=args.time_scale,
             )
         )
@@ -105,7 +102,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"invalid configuration\n{exc}", file=sys.stderr)
         return 1
     path = args.config
-    run_router(settings, load=lambda: load_settings(path), host=args.host, port=args.port, log_level=args.log_level)
+    run_router(
+        settings,
+        load=lambda: load_settings(path),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_format=args.log_format,
+    )
     return 0
 
 
@@ -116,8 +120,9 @@ def run_router(
     host: str | None,
     port: int | None,
     log_level: str,
+    log_format: logs.LogFormat | None = None,
 ) -> None:
-    _logging(log_level)
+    logs.configure(log_level, log_format or settings.log.format)
     config = uvicorn.Config(
         create_app(settings, load=load),
         host=host or settings.listen.host,
@@ -127,6 +132,7 @@ def run_router(
         access_log=False,  # the router writes its own, one line per request
         server_header=False,
         log_level=log_level,
+        log_config=None,  # uvicorn's lines go through the router's format (router.logs)
     )
     # Once uvicorn has shut down on SIGINT or SIGTERM it raises the signal again, for the handler
     # there before it started; with this one, a router that stopped as asked exits with status 0.

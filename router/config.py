@@ -215,6 +215,17 @@ class Shutdown(_Model):
     grace_seconds: float = Field(default=30.0, ge=0)
 
 
+class Log(_Model):
+    # `text`: one `key=value` line per request; `json`: one JSON object a line, for a log pipeline.
+    format: Literal["text", "json"] = "text"
+
+
+class MetricsConfig(_Model):
+    # Model names that may be a `model` label value besides those the backends list in
+    # /v1/models (e.g. names a rule rewrites); any other name is counted as `other`.
+    models: list[str] = []
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECROUTE_", env_nested_delimiter="__", extra="forbid", frozen=True)
 
@@ -231,6 +242,8 @@ class Settings(BaseSettings):
     shutdown: Shutdown = Shutdown()
     limits: Limits = Limits()
     tls: Tls = Tls()
+    log: Log = Log()
+    metrics: MetricsConfig = MetricsConfig()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     models_cache_seconds: float = Field(default=5.0, ge=0)
     # Pass the client's Authorization header upstream when the backend has no key of its own.

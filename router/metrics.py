@@ -2,14 +2,28 @@
 
 Counters and histograms are updated on the request path. Gauges of live state (in flight,
 queued, healthy) are read from the pools at scrape time, so they can never drift from it.
+
+No label is called `job` or `instance`: Prometheus sets those on every scraped series itself
+and would rename ours to `exported_job`. The job class is `job_class`. A `model` label takes
+only names the backends list or the settings name; anything else a client sends is `other`,
+so a client cannot grow the number of series.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Set
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -17,54 +31,93 @@ from router.classify import JOB_CLASSES
 from router.content import ContentKind
 from router.learn import SpeedModel, crossover
 from router.pools import Pools
+from router.version import BuildInfo
 
 # First tokens range from tens of milliseconds (idle speculative engine) to minutes (the
-# note's 238 s queue); time per output token from ~5 ms to ~1 s.
-TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 240, 480)
+# note's 238 s queue); interactive targets sit between 0.2 and 3 s, so the buckets are dense
+# there. Time per output token from ~5 ms to ~1 s; whole requests from 0.1 s to 10 minutes.
+TTFT_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60, 120, 300)
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
 
+# What a request's `model` label is when it names none, or one nobody serves.
+NO_MODEL = "none"
+OTHER_MODEL = "other"
+
+
 class Metrics:
-    def __init__(self, registry: CollectorRegistry, pools: Pools, speeds: SpeedModel, *, stale_after: float) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        pools: Pools,
+        speeds: SpeedModel,
+        *,
+        stale_after: float,
+        build: BuildInfo,
+        known_models: Callable[[], Set[str]] = frozenset,
+    ) -> None:
+        """`known_models()`: the model names that may be a label value (the catalog's and the
+        configured ones), read at each request's end."""
         self.registry = registry
+        self._known_models = known_models
+        # What every Prometheus client exposes by default; a registry of our own has to ask.
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+        info = Gauge(
+            "specroute_build_info",
+            "Always 1; the labels say which specroute runs (version, source commit, Python).",
+            ["version", "commit", "python"],
+            registry=registry,
+        )
+        info.labels(build.version, build.commit, build.python).set(1)
+        request_labels = ["pool", "backend", "job_class", "model"]
         self.requests = Counter(
             "specroute_requests",
-            "Requests answered, by pool, backend, job class and HTTP status.",
-            ["pool", "backend", "job", "status"],
+            "Requests answered, by pool, backend, job class, model, HTTP status and the router's error code.",
+            [*request_labels, "status", "code"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "specroute_request_duration_seconds",
+            "From arrival at the router to the last byte of the answer, for every request, streamed or not.",
+            request_labels,
+            buckets=DURATION_BUCKETS,
             registry=registry,
         )
         self.ttft = Histogram(
             "specroute_time_to_first_token_seconds",
             "From arrival at the router to the first chunk carrying generated content.",
-            ["pool", "backend"],
+            request_labels,
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
         self.tpot = Histogram(
             "specroute_time_per_output_token_seconds",
             "Mean time between output tokens after the first, per request.",
-            ["pool", "backend"],
+            request_labels,
             buckets=TPOT_BUCKETS,
             registry=registry,
         )
         self.queue_wait = Histogram(
             "specroute_queue_wait_seconds",
             "Time a request waited in the router's pool queue for a backend slot.",
-            ["pool", "job"],
+            ["pool", "job_class"],
             buckets=QUEUE_BUCKETS,
             registry=registry,
         )
         self.completion_tokens = Counter(
             "specroute_completion_tokens",
             "Completion tokens delivered, as reported in the engine's usage.",
-            ["pool", "backend"],
+            ["pool", "backend", "model"],
             registry=registry,
         )
         self.prompt_tokens = Counter(
             "specroute_prompt_tokens",
             "Prompt tokens processed, as reported in the engine's usage.",
-            ["pool", "backend"],
+            ["pool", "backend", "model"],
             registry=registry,
         )
         self.upstream_errors = Counter(
@@ -82,7 +135,7 @@ class Metrics:
         self.decisions = Counter(
             "specroute_route_decisions",
             "Routing decisions by job class, pool, reason and content kind.",
-            ["job", "pool", "reason", "content"],
+            ["job_class", "pool", "reason", "content"],
             registry=registry,
         )
         self.reloads = Counter(
@@ -96,6 +149,12 @@ class Metrics:
 
     def configure(self, *, stale_after: float) -> None:
         self._live.stale_after = stale_after
+
+    def model(self, name: str | None) -> str:
+        """The `model` label for a requested model name: bounded, whatever the client sends."""
+        if name is None:
+            return NO_MODEL
+        return name if name in self._known_models() else OTHER_MODEL
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -119,7 +178,7 @@ class _LiveState(Collector):
         queued = GaugeMetricFamily(
             "specroute_queued_requests",
             "Requests waiting in the router's queue of a pool for a backend slot.",
-            labels=["pool", "job"],
+            labels=["pool", "job_class"],
         )
         running = gauge("specroute_engine_running_requests", "Requests the engine reports running (scraped).")
         waiting = gauge("specroute_engine_waiting_requests", "Requests waiting inside the engine (scraped).")

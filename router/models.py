@@ -1,4 +1,8 @@
-"""`GET /v1/models`: the union of every backend's models, cached briefly."""
+"""`GET /v1/models`: the union of every backend's models, cached briefly.
+
+The names it last saw are also the values the metrics' `model` label may take, so it refreshes
+itself in the background (`run`) even when no client asks for the list.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +14,17 @@ from typing import Any
 from router.pools import Backend, Pools
 from router.upstream import TransportError, UpstreamPool
 
+# How often the background refresh asks the backends; a model added to an engine is counted
+# under its own name from then on (before that, as `other`).
+REFRESH_SECONDS = 30.0
+
 
 class ModelCatalog:
     def __init__(self, pools: Pools, upstream: UpstreamPool, *, ttl: float, timeout: float) -> None:
         self._pools = pools
         self._upstream = upstream
         self._lock = asyncio.Lock()
+        self.known: frozenset[str] = frozenset()  # every model id seen since start (never shrinks)
         self.configure(ttl=ttl, timeout=timeout)
 
     def configure(self, *, ttl: float, timeout: float) -> None:
@@ -32,12 +41,23 @@ class ModelCatalog:
                 self._fetched_at = time.monotonic()
             return self._cached
 
+    async def run(self, interval: float = REFRESH_SECONDS) -> None:
+        """Learn the model names every `interval` (the first time is at start-up, in router.app)."""
+        while True:
+            await asyncio.sleep(interval)
+            await self.learn_names()
+
+    async def learn_names(self) -> None:
+        """Ask the backends for their models, for the names only (clients' list keeps its cache)."""
+        self.known |= {model["id"] for model in await self._fetch()}
+
     async def _fetch(self) -> list[dict[str, Any]]:
         answers = await asyncio.gather(*(self._list(b) for b in self._pools.backends()))
         seen: dict[str, dict[str, Any]] = {}
         for models in answers:
             for model in models:
                 seen.setdefault(model["id"], model)
+        self.known |= set(seen)
         return list(seen.values())
 
     async def _list(self, backend: Backend) -> list[dict[str, Any]]:

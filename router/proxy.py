@@ -22,7 +22,7 @@ import anyio
 from starlette.types import Receive, Scope, Send
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay
 
-from router import sse
+from router import logs, sse
 from router.auth import Auth
 from router.classify import Classifier, RequestFacts, client_id
 from router.config import Settings
@@ -84,6 +84,10 @@ class Call:
     ttft: float | None = None
     tokens: int | None = None
     prompt_tokens: int | None = None
+    code: str | None = None  # the router's error code, when it answered or ended the request with one
+    client: str | None = None  # who sent it (classify.client_id); logged only as a hash
+    queue_wait: float = 0.0  # seconds in pool queues, over all attempts
+    attempts: int = 0  # sent upstream this many times (1 + retries)
 
 
 class Proxy:
@@ -139,7 +143,7 @@ class Proxy:
             call.payload = payload = _parse_json(call.body)
             user = _field(payload, "user", str)
             address = scope["client"][0] if scope.get("client") else None
-            client = client_id(api_key, user, address)
+            call.client = client = client_id(api_key, user, address)
             self._clients.start(client)
             await self._clients.settle(client)
             facts = RequestFacts(
@@ -162,7 +166,7 @@ class Proxy:
         except ClientGone:
             call.status = 499
         except RouterError as exc:
-            call.status = exc.status_code
+            call.status, call.code = exc.status_code, exc.code
             await _send_response(send, exc.response(self._route_headers(call)))
         finally:
             if client is not None:
@@ -237,7 +241,7 @@ class Proxy:
 
     async def _end_for_shutdown(self, send: Send, call: Call) -> None:
         error = ShuttingDown("the router is shutting down; send the request again", code="shutting_down")
-        call.status = error.status_code
+        call.status, call.code = error.status_code, error.code
         if not call.streaming:
             raise error  # nothing has gone to the client yet
         # Like a stream whose upstream failed: the events so far, one error event, no [DONE].
@@ -273,7 +277,10 @@ class Proxy:
             raise NoBackendAvailable(f"pool {call.decision.pool!r} is no longer configured", code="pool_unavailable")
         queued_at = time.perf_counter()
         backend = await pool.acquire(call.decision.job, exclude=frozenset(tried))
-        self._metrics.queue_wait.labels(pool.name, call.decision.job).observe(time.perf_counter() - queued_at)
+        waited = time.perf_counter() - queued_at
+        self._metrics.queue_wait.labels(pool.name, call.decision.job).observe(waited)
+        call.queue_wait += waited
+        call.attempts += 1
         tried.add(backend.name)
         call.backend = backend
         call.concurrency = backend.concurrency(time.monotonic(), self._settings.scrape.stale_after)
@@ -402,7 +409,7 @@ class Proxy:
             assert call.backend is not None
             error, _ = self._upstream_failure(call.backend, exc)
             call.backend.request_failed(time.monotonic(), self._settings.health)
-            call.status = error.status_code
+            call.status, call.code = error.status_code, error.code
             tail = error.event()
         call.tokens = watch.completion_tokens
         call.prompt_tokens = sse.prompt_tokens(watch.usage)
@@ -446,48 +453,52 @@ class Proxy:
         return headers
 
     def _finish(self, call: Call) -> None:
+        duration = time.perf_counter() - call.started
         decision, backend = call.decision, call.backend
         pool = decision.pool if decision else ""
         name = backend.name if backend else ""
-        self._metrics.requests.labels(pool, name, decision.job if decision else "", str(call.status)).inc()
+        job = decision.job if decision else ""
+        model = self._metrics.model(_field(call.payload, "model", str))
+        labels = (pool, name, job, model)
+        self._metrics.requests.labels(*labels, str(call.status), call.code or "").inc()
+        self._metrics.duration.labels(*labels).observe(duration)
         if backend is not None:
             if call.ttft is not None:
-                self._metrics.ttft.labels(pool, name).observe(call.ttft)
+                self._metrics.ttft.labels(*labels).observe(call.ttft)
                 backend.recent_ttft.append(call.ttft)
             if call.tokens:
-                self._metrics.completion_tokens.labels(pool, name).inc(call.tokens)
+                self._metrics.completion_tokens.labels(pool, name, model).inc(call.tokens)
                 if call.ttft is not None and call.tokens > 1 and call.status < 400:
                     elapsed = time.perf_counter() - call.started - call.ttft
-                    self._metrics.tpot.labels(pool, name).observe(elapsed / (call.tokens - 1))
+                    self._metrics.tpot.labels(*labels).observe(elapsed / (call.tokens - 1))
                     self._learn(backend, call, (call.tokens - 1) / elapsed)
             if call.prompt_tokens:
-                self._metrics.prompt_tokens.labels(pool, name).inc(call.prompt_tokens)
+                self._metrics.prompt_tokens.labels(pool, name, model).inc(call.prompt_tokens)
         if access_log.isEnabledFor(logging.INFO):
-            access_log.info(_access_line(call))
+            fields = _access_fields(call, duration)
+            access_log.info(logs.key_values(fields), extra={"fields": fields})
 
 
-def _access_line(call: Call) -> str:
+def _access_fields(call: Call, duration: float) -> dict[str, str | int | None]:
+    """What the access log says of a request: never a prompt, a completion or a key."""
     decision = call.decision
-    fields = {
+    return {
         "id": call.request_id,
         "path": call.path,
-        "pool": decision.pool if decision else "-",
-        "backend": call.backend.name if call.backend else "-",
-        "job": decision.job if decision else "-",
-        "reason": decision.reason if decision else "-",
-        "status": str(call.status),
-        "ttft_ms": f"{call.ttft * 1000:.0f}" if call.ttft is not None else "-",
-        "tokens": str(call.tokens) if call.tokens is not None else "-",
-        "duration_ms": f"{(time.perf_counter() - call.started) * 1000:.0f}",
+        "model": _field(call.payload, "model", str),
+        "client": logs.client_hash(call.client) if call.client else None,
+        "job": decision.job if decision else None,
+        "reason": decision.reason if decision else None,
+        "pool": decision.pool if decision else None,
+        "backend": call.backend.name if call.backend else None,
+        "status": call.status,
+        "code": call.code,
+        "retries": max(call.attempts - 1, 0),
+        "queue_ms": round(call.queue_wait * 1000),
+        "ttft_ms": round(call.ttft * 1000) if call.ttft is not None else None,
+        "tokens": call.tokens,
+        "duration_ms": round(duration * 1000),
     }
-    return " ".join(f"{key}={_escape(value)}" for key, value in fields.items())
-
-
-def _escape(value: str) -> str:
-    """Keep one request on one log line: control characters, spaces and quotes escaped."""
-    if value.isprintable() and " " not in value and '"' not in value:
-        return value
-    return json.dumps(value)
 
 
 def _parse_json(body: bytes) -> dict[str, Any]:

@@ -26,11 +26,12 @@ from router.pools import Backend, Clients, Pools
 from router.proxy import Proxy
 from router.scrape import EngineScraper
 from router.upstream import UpstreamPool
+from router.version import BuildInfo, build_info
 
 logger = logging.getLogger("specroute")
 
-# Settings that a running router cannot take: its socket is already bound.
-_NEEDS_RESTART = ("listen.",)
+# Settings that a running router cannot take: its socket is already bound, its log set up.
+_NEEDS_RESTART = ("listen.", "log.")
 
 
 class Router:
@@ -40,8 +41,10 @@ class Router:
         *,
         registry: CollectorRegistry | None = None,
         load: Callable[[], Settings] | None = None,
+        build: BuildInfo | None = None,
     ) -> None:
         self.settings = settings
+        self.build = build if build is not None else build_info()
         self._load = load  # where a reload reads the settings from; None: nowhere
         self.shutting_down = False
         self.pools = Pools(settings)
@@ -51,6 +54,8 @@ class Router:
             self.pools,
             self.speeds,
             stale_after=settings.scrape.stale_after,
+            build=self.build,
+            known_models=self.known_models,
         )
         self.upstream = UpstreamPool(
             connect_timeout=settings.timeouts.connect,
@@ -80,6 +85,11 @@ class Router:
         self.scraper = EngineScraper(
             self.pools, self.upstream, interval=settings.scrape.interval, timeout=settings.scrape.timeout
         )
+
+    def known_models(self) -> frozenset[str]:
+        """Model names that the metrics count under their own name (see router.metrics)."""
+        configured = {rule.rewrite_model for rule in self.settings.classify.rules if rule.rewrite_model}
+        return self.catalog.known | configured | set(self.settings.metrics.models)
 
     def reload(self) -> dict[str, list[str]]:
         """Read the settings again and apply them; an invalid file changes nothing (BadRequest)."""

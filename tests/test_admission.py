@@ -23,7 +23,7 @@ def test_full_queue_and_queue_timeout_answer_503_with_retry_after(make_cluster: 
             first = executor.submit(_post, url)
             assert cluster.settled_metric("specroute_in_flight_requests", 1, pool="fast", backend="fast-1") == 1
             queued = executor.submit(_post, url)
-            assert cluster.settled_metric("specroute_queued_requests", 1, pool="fast", job="interactive") == 1
+            assert cluster.settled_metric("specroute_queued_requests", 1, pool="fast", job_class="interactive") == 1
             rejected = _post(url)  # the queue holds one: this one is turned away at once
             assert rejected.status_code == 503
             assert rejected.json()["error"]["code"] == "queue_full"
@@ -34,7 +34,7 @@ def test_full_queue_and_queue_timeout_answer_503_with_retry_after(make_cluster: 
             assert "retry-after" in timed_out.headers
             assert first.result().status_code == 200
         assert len(cluster.fast.requests) == 1
-        assert cluster.metric("specroute_queue_wait_seconds_count", pool="fast", job="interactive") == 1
+        assert cluster.metric("specroute_queue_wait_seconds_count", pool="fast", job_class="interactive") == 1
 
 
 def test_queued_request_is_served_when_a_slot_frees(make_cluster: Any) -> None:
@@ -47,5 +47,5 @@ def test_queued_request_is_served_when_a_slot_frees(make_cluster: Any) -> None:
         assert cluster.fast.requests
         assert len(cluster.fast.requests) == 3
         # Every request after the first waited for the one before it.
-        assert cluster.metric("specroute_queue_wait_seconds_count", pool="fast", job="interactive") == 3
-        assert cluster.metric("specroute_queue_wait_seconds_sum", pool="fast", job="interactive") > 0.5
+        assert cluster.metric("specroute_queue_wait_seconds_count", pool="fast", job_class="interactive") == 3
+        assert cluster.metric("specroute_queue_wait_seconds_sum", pool="fast", job_class="interactive") > 0.5

@@ -66,5 +66,5 @@ def test_openai_client_streams_through_the_embedded_cluster(base_url: str) -> No
     )
     assert batch.headers["x-route-pool"] == "team"
     metrics = httpx.get(base_url.removesuffix("/v1") + "/metrics").text
-    assert 'specroute_completion_tokens_total{backend="fast-1",pool="fast"}' in metrics
+    assert 'specroute_completion_tokens_total{backend="fast-1",model="glm-5.3-flash",pool="fast"}' in metrics
     assert [m.id for m in client.models.list()] == ["glm-5.3-flash"]

@@ -16,10 +16,17 @@ CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], 
 def _idle(cluster: Cluster) -> None:
     assert cluster.fast.wait_idle(1.0), "upstream request still open a second after the client left"
     assert cluster.settled_metric("specroute_in_flight_requests", 0, pool="fast", backend="fast-1") == 0
-    assert cluster.settled_metric("specroute_queued_requests", 0, pool="fast", job="interactive") == 0
+    assert cluster.settled_metric("specroute_queued_requests", 0, pool="fast", job_class="interactive") == 0
     assert (
         cluster.settled_metric(
-            "specroute_requests_total", 1, pool="fast", backend="fast-1", job="interactive", status="499"
+            "specroute_requests_total",
+            1,
+            pool="fast",
+            backend="fast-1",
+            job_class="interactive",
+            model="test-model",
+            status="499",
+            code="",
         )
         == 1
     )
@@ -70,7 +77,7 @@ def test_disconnect_while_queued_leaves_the_queue(make_cluster: Any) -> None:
         assert cluster.settled_metric("specroute_in_flight_requests", 1, pool="fast", backend="fast-1") == 1
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(cluster.base_url + "/completions", json={"model": "test-model", "prompt": "y"}, timeout=0.3)
-        assert cluster.settled_metric("specroute_queued_requests", 0, pool="fast", job="interactive") == 0
+        assert cluster.settled_metric("specroute_queued_requests", 0, pool="fast", job_class="interactive") == 0
         holder.join()
         assert len(cluster.fast.requests) == 1  # the one that left was never forwarded
         assert cluster.settled_metric("specroute_in_flight_requests", 0, pool="fast", backend="fast-1") == 0

@@ -134,7 +134,7 @@ def test_a_storm_of_cancellations_leaves_nothing_open(make_cluster: Any) -> None
         for pool, backend in (("fast", "fast-1"), ("team", "team-1")):
             assert cluster.settled_metric("specroute_in_flight_requests", 0, pool=pool, backend=backend) == 0
             for job in ("interactive", "batch"):
-                assert cluster.metric("specroute_queued_requests", pool=pool, job=job) == 0
+                assert cluster.metric("specroute_queued_requests", pool=pool, job_class=job) == 0
         state = cluster.app.state.router
         assert state.upstream.in_use == 0
         assert sum(p.in_flight for p in state.pools) == 0

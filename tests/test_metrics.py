@@ -24,7 +24,12 @@ def test_exposition_passes_promtool(cluster: Cluster) -> None:
     ):
         pass
     httpx.post(cluster.base_url + "/completions", content=b"{bad")
-    assert cluster.settled_metric("specroute_completion_tokens_total", 3, pool="fast", backend="fast-1") == 3
+    assert (
+        cluster.settled_metric(
+            "specroute_completion_tokens_total", 3, pool="fast", backend="fast-1", model="test-model"
+        )
+        == 3
+    )
     response = httpx.get(cluster.router.url + "/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")

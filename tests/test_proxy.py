@@ -44,14 +44,17 @@ def test_chat_stream_passes_through_with_route_headers(cluster: Cluster) -> None
     assert raw.headers["content-type"].startswith("text/event-stream")
     forwarded = cluster.fast.requests[-1].body
     assert forwarded["stream_options"] == {"include_usage": True}
-    assert cluster.settled_metric("specroute_completion_tokens_total", 5, pool="fast", backend="fast-1") == 5
-    assert cluster.settled_metric("specroute_time_to_first_token_seconds_count", 1, pool="fast", backend="fast-1") == 1
+    labels = {"pool": "fast", "backend": "fast-1", "job_class": "interactive", "model": "test-model"}
     assert (
-        cluster.settled_metric("specroute_time_per_output_token_seconds_count", 1, pool="fast", backend="fast-1") == 1
+        cluster.settled_metric(
+            "specroute_completion_tokens_total", 5, pool="fast", backend="fast-1", model="test-model"
+        )
+        == 5
     )
-    assert (
-        cluster.metric("specroute_requests_total", pool="fast", backend="fast-1", job="interactive", status="200") == 1
-    )
+    assert cluster.settled_metric("specroute_time_to_first_token_seconds_count", 1, **labels) == 1
+    assert cluster.settled_metric("specroute_time_per_output_token_seconds_count", 1, **labels) == 1
+    assert cluster.settled_metric("specroute_request_duration_seconds_count", 1, **labels) == 1
+    assert cluster.metric("specroute_requests_total", **labels, status="200", code="") == 1
 
 
 def test_usage_chunk_reaches_client_that_asked_for_it(cluster: Cluster) -> None:
@@ -75,7 +78,12 @@ def test_completions_stream_and_whole(cluster: Cluster) -> None:
     assert whole.choices[0].text == "w0 w1"
     assert whole.usage is not None
     assert whole.usage.completion_tokens == 2
-    assert cluster.settled_metric("specroute_completion_tokens_total", 6, pool="fast", backend="fast-1") == 6
+    assert (
+        cluster.settled_metric(
+            "specroute_completion_tokens_total", 6, pool="fast", backend="fast-1", model="test-model"
+        )
+        == 6
+    )
 
 
 def test_non_streaming_chat_keeps_status_body_and_type(cluster: Cluster) -> None:
@@ -221,13 +229,18 @@ def test_decisions_are_counted(cluster: Cluster) -> None:
     client.completions.create(model="test-model", prompt="x", max_tokens=1, n=2)
     assert (
         cluster.settled_metric(
-            "specroute_route_decisions_total", 1, job="interactive", pool="fast", reason="default", content="prose"
+            "specroute_route_decisions_total",
+            1,
+            job_class="interactive",
+            pool="fast",
+            reason="default",
+            content="prose",
         )
         == 1
     )
     assert (
         cluster.settled_metric(
-            "specroute_route_decisions_total", 1, job="batch", pool="team", reason="n>1", content="prose"
+            "specroute_route_decisions_total", 1, job_class="batch", pool="team", reason="n>1", content="prose"
         )
         == 1
     )

@@ -18,7 +18,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from router.app import create_app
-from router.config import Settings
+from router.config import Listen, Settings
 from router.server import RouterServer
 from router.sim.profile import Profile, load_profile
 from router.sim.server import create_sim_app
@@ -99,12 +99,15 @@ Add the header 'X-Job-Type: batch' to send a request to the team pool."""
 async def serve_cluster(
     pools: list[PoolSpec] | None = None,
     *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    host: str | None = None,
+    port: int | None = None,
     time_scale: float = 1.0,
     on_ready: Callable[[str, str], Any] = lambda base_url, banner: print(banner, flush=True),
 ) -> None:
-    """Serve until stopped; `on_ready(base_url, banner)` once every server listens."""
+    """Serve until stopped; `on_ready(base_url, banner)` once every server listens.
+
+    The router listens on `host` and `port` if given, else where `listen.*` says: its default
+    (127.0.0.1:8000) or the environment's `SPECROUTE_LISTEN__HOST` (0.0.0.0 in a container)."""
     pools = pools or layout("routed")
     apps: list[tuple[Starlette, socket.socket]] = []
     urls: dict[str, tuple[bool, list[str]]] = {}
@@ -118,8 +121,13 @@ async def serve_cluster(
             apps.append((create_sim_app(profile, time_scale=time_scale), sock))
             kind = "speculative" if profile.speculative else "standard"
             lines.append(f"  pool {pool.name}: {profile.name} engine, {kind}, {profile.nodes} nodes  {url}")
-    router_sock = _bind(host, port)
-    settings = cluster_settings(urls, host=host, port=router_sock.getsockname()[1], time_scale=time_scale)
+    settings = cluster_settings(
+        urls, host=host or "127.0.0.1", port=8000 if port is None else port, time_scale=time_scale
+    )
+    host = host if host is not None else settings.listen.host
+    router_sock = _bind(host, settings.listen.port if port is None else port)
+    listen = Listen(host=host, port=router_sock.getsockname()[1])
+    settings = settings.model_copy(update={"listen": listen})
     apps.append((create_app(settings), router_sock))
     configs = [uvicorn.Config(app, log_level="warning", access_log=False, server_header=False) for app, _ in apps]
     # The router's server shuts down gracefully; it is the last one started, so the first to hear
