@@ -1,0 +1,127 @@
+"""Log lines: text or JSON, UTC timestamps, an access line with what an operator asks of a request."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from router.logs import JsonFormatter, TextFormatter
+from tests.conftest import Cluster
+
+ACCESS_FIELDS = {
+    "id", "path", "model", "client", "job", "reason", "pool", "backend", "status", "code", "retries", "queue_ms",
+    "ttft_ms", "tokens", "duration_ms",
+}  # fmt: skip
+
+
+def _records(caplog: pytest.LogCaptureFixture, count: int) -> list[logging.LogRecord]:
+    deadline = time.monotonic() + 2  # the router logs just after the last byte, in its own thread
+    while len(found := [r for r in caplog.records if r.name == "specroute.access"]) < count:
+        assert time.monotonic() < deadline, f"{len(found)} access lines, expected {count}"
+        time.sleep(0.005)
+    return found
+
+
+def test_access_line_as_json_and_text(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="specroute.access"):
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="sk-secret-key-123", max_retries=0)
+        for _chunk in client.chat.completions.create(
+            model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+        ):
+            pass
+        [record] = _records(caplog, 1)
+    entry = json.loads(JsonFormatter().format(record))
+    assert ACCESS_FIELDS <= set(entry)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", entry["time"])
+    assert entry["model"] == "test-model"
+    assert (entry["job"], entry["reason"], entry["pool"], entry["backend"]) == (
+        "interactive",
+        "default",
+        "fast",
+        "fast-1",
+    )
+    assert (entry["status"], entry["code"], entry["retries"], entry["tokens"]) == (200, None, 0, 3)
+    assert entry["ttft_ms"] >= 0 and entry["duration_ms"] >= entry["ttft_ms"] and entry["queue_ms"] >= 0
+    assert re.fullmatch(r"key:[0-9a-f]{12}", entry["client"])
+    text = TextFormatter().format(record)
+    assert "sk-secret-key-123" not in text + json.dumps(entry)
+    assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO specroute.access id=", text)
+    assert f"client={entry['client']} " in text and " code=- " in text
+
+
+def test_error_code_in_the_access_line(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="specroute.access"):
+        httpx.post(cluster.base_url + "/chat/completions", content=b"[1, 2", headers={"X-Request-Id": "r1"})
+        [record] = _records(caplog, 1)
+    entry = json.loads(JsonFormatter().format(record))
+    assert (entry["id"], entry["status"], entry["code"], entry["pool"]) == ("r1", 400, "invalid_json", None)
+    assert entry["client"] is None  # who a client is depends on its body's `user`, which was unreadable
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def test_demo_listens_where_the_environment_says_and_logs_json() -> None:
+    # In a container SPECROUTE_LISTEN__HOST=0.0.0.0: the embedded demo must take it. 127.0.0.2 is
+    # loopback too, but reaches only a socket bound to all addresses, not one on 127.0.0.1.
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")}
+    env["SPECROUTE_LISTEN__HOST"] = "0.0.0.0"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--time-scale",
+            "10",
+            "--log-format",
+            "json",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert process.stderr is not None
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.2:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, "the demo is not reachable on 127.0.0.2"
+            time.sleep(0.05)
+        answer = httpx.post(
+            f"http://127.0.0.2:{port}/v1/completions",
+            json={"model": "glm-5.3-flash", "prompt": "x", "max_tokens": 2},
+            timeout=30,
+        )
+        assert answer.status_code == 200
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=15)
+        lines = process.stderr.read().splitlines()
+        process.stderr.close()
+    entries = [json.loads(line) for line in lines if line.strip()]  # every line is JSON
+    [access] = [e for e in entries if e["logger"] == "specroute.access"]
+    assert access["path"] == "/v1/completions" and access["status"] == 200
