@@ -1,0 +1,217 @@
+"""What ships for Prometheus and Grafana (deploy/prometheus, deploy/grafana), checked by promtool
+and by a real Prometheus server that scrapes a router under load and runs every dashboard query
+and every rule."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from router.app import create_app
+from router.config import Settings
+from router.sim.profile import load_profile
+from router.sim.server import create_sim_app
+from tests.servers import ServerThread
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "specroute.json"
+promtool = shutil.which("promtool")
+prometheus = shutil.which("prometheus")
+needs_promtool = pytest.mark.skipif(promtool is None and not os.environ.get("CI"), reason="promtool not installed")
+# Grafana's own variable; Prometheus gets a fixed window in its place (20 one-second scrapes).
+RATE_WINDOW = "20s"
+
+
+def _promtool(*args: str, cwd: Path = PROMETHEUS_DIR) -> None:
+    assert promtool is not None, "CI installs Debian's prometheus package for promtool"
+    done = subprocess.run([promtool, *args], cwd=cwd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _panel_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL as Prometheus gets it) for every target of the dashboard."""
+    board = json.loads(DASHBOARD.read_text())
+    return [
+        (panel["title"], target["expr"].replace("$__rate_interval", RATE_WINDOW))
+        for panel in board["panels"]
+        for target in panel["targets"]
+    ]
+
+
+def _rules() -> list[dict[str, Any]]:
+    groups = yaml.safe_load((PROMETHEUS_DIR / "rules.yml").read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+@needs_promtool
+def test_config_and_rules_pass_promtool() -> None:
+    _promtool("check", "config", "prometheus.yml")
+    _promtool("check", "rules", "rules.yml")
+    _promtool("test", "rules", "rules_test.yml")
+
+
+def test_every_alert_has_a_unit_test() -> None:
+    tests = yaml.safe_load((PROMETHEUS_DIR / "rules_test.yml").read_text())["tests"]
+    tested = {case["alertname"] for test in tests for case in test.get("alert_rule_test", []) if case["exp_alerts"]}
+    alerts = {rule["alert"] for rule in _rules() if "alert" in rule}
+    assert alerts == tested
+
+
+def test_dashboard_is_what_the_script_writes() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "dashboard.py"), "--check"], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    board = json.loads(DASHBOARD.read_text())
+    assert len({panel["id"] for panel in board["panels"]}) == len(board["panels"])
+    assert all(panel["targets"] for panel in board["panels"])
+
+
+@needs_promtool
+def test_every_panel_query_parses(tmp_path: Path) -> None:
+    # promtool parses the PromQL of every rule: each query becomes one recording rule.
+    rules = [{"record": f"panel:query_{i}", "expr": expr} for i, (_, expr) in enumerate(_panel_queries())]
+    path = tmp_path / "panels.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
+    _promtool("check", "rules", str(path), cwd=tmp_path)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def simulated_router() -> Iterator[str]:
+    """Simulated engines (10x real time) behind a router whose standard pool is small enough
+    that a burst of batch work overflows its queue: every panel and rule then has something to show."""
+    with (
+        ServerThread(create_sim_app(load_profile("fast"), time_scale=10)) as fast,
+        ServerThread(create_sim_app(load_profile("team"), time_scale=10)) as team,
+    ):
+        data: dict[str, Any] = {
+            "scrape": {"interval": 0.1, "timeout": 0.5, "stale_after": 1.0},
+            "health": {"interval": 0.5},
+            "classify": {"burst_hold_seconds": 0},
+            "pools": {
+                "fast": {"speculative": True, "backends": {"fast-1": {"url": fast.url, "max_concurrency": 64}}},
+                "team": {
+                    "speculative": False,
+                    "queue_size": 2,
+                    "backends": {"team-1": {"url": team.url, "max_concurrency": 4}},
+                },
+            },
+        }
+        settings = Settings(**data)
+        with ServerThread(create_app(settings), fast=True) as router:
+            yield router.url
+
+
+def _load(url: str, stop: threading.Event) -> None:
+    """Interactive users (more than the crossover, so some spill), a batch burst, a bad body."""
+
+    def interactive(user: int) -> None:
+        body = {
+            "model": "glm-5.3-flash",
+            "user": f"user-{user}",
+            "stream": True,
+            "max_tokens": 24,
+            "messages": [{"role": "user", "content": "Tell me about tides."}],
+        }
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            response.read()
+
+    def batch(_: int) -> None:
+        body = {"model": "glm-5.3-flash", "prompt": "Summarise this.", "max_tokens": 16}
+        client.post("/v1/completions", json=body, headers={"X-Job-Type": "batch"})
+
+    with httpx.Client(base_url=url, timeout=60) as client, concurrent.futures.ThreadPoolExecutor(16) as pool:
+        while not stop.is_set():
+            list(pool.map(interactive, range(8)))
+            list(pool.map(batch, range(8)))
+            client.post("/v1/chat/completions", content=b"{not json")
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(prometheus is None and not os.environ.get("CI"), reason="prometheus not installed")
+def test_a_real_prometheus_answers_every_panel_and_rule(simulated_router: str) -> None:
+    assert prometheus is not None, "CI installs Debian's prometheus package"
+    router_port = simulated_router.rsplit(":", 1)[1]
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as directory:
+        work = Path(directory)
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(PROMETHEUS_DIR / "rules.yml")],
+            "scrape_configs": [
+                {"job_name": "specroute", "static_configs": [{"targets": [f"127.0.0.1:{router_port}"]}]}
+            ],
+        }
+        (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+        log = (work / "prometheus.log").open("w")
+        server = subprocess.Popen(
+            [
+                prometheus,
+                f"--config.file={work / 'prometheus.yml'}",
+                f"--storage.tsdb.path={work / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        stop = threading.Event()
+        load = threading.Thread(target=_load, args=(simulated_router, stop), daemon=True)
+        load.start()
+        try:
+            api = f"http://127.0.0.1:{port}/api/v1"
+            _check_prometheus(api, server, work / "prometheus.log")
+        finally:
+            stop.set()
+            load.join(timeout=60)
+            server.terminate()
+            server.wait(timeout=30)
+            log.close()
+
+
+def _check_prometheus(api: str, server: subprocess.Popen[bytes], log: Path) -> None:
+    # The rules' 5-minute windows need two scrapes in them; the dashboard's 20 s windows too.
+    queries = dict(_panel_queries())
+    records = {rule["record"]: rule["record"] for rule in _rules() if "record" in rule}
+    waiting = {**{f"panel {title}": expr for title, expr in queries.items()}, **records, "up": 'up{job="specroute"}'}
+    deadline = time.monotonic() + 120
+    with httpx.Client(timeout=10) as client:
+        while waiting:
+            assert server.poll() is None, log.read_text()
+            for name, expr in list(waiting.items()):
+                try:
+                    answer = client.get(f"{api}/query", params={"query": expr}).json()
+                except httpx.TransportError:
+                    break  # not up yet
+                assert answer["status"] == "success", (name, answer)
+                if answer["data"]["result"]:
+                    del waiting[name]
+            if waiting:
+                assert time.monotonic() < deadline, f"no data after 120 s for: {sorted(waiting)}"
+                time.sleep(1)
+        # Every rule, the alerts included, has been evaluated without an error.
+        groups = client.get(f"{api}/rules").json()["data"]["groups"]
+    rules = [rule for group in groups for rule in group["rules"]]
+    assert {r.get("name") for r in rules} == {r.get("alert", r.get("record")) for r in _rules()}
+    for rule in rules:
+        assert rule["health"] == "ok", rule
