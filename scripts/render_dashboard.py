@@ -63,7 +63,7 @@ def main() -> int:
         for axis in axes.flat[len(panels) :]:
             axis.set_visible(False)
     figure.suptitle(f"{board['title']}: the Grafana dashboard's panels, drawn from Prometheus", fontsize=12)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0, 1, 0.98))  # room for the title
     figure.savefig(args.out, dpi=80)
     print(f"wrote {args.out}")
     return 0

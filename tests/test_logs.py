@@ -19,10 +19,8 @@ import pytest
 from router.logs import JsonFormatter, TextFormatter
 from tests.conftest import Cluster
 
-ACCESS_FIELDS = {
-    "id", "path", "model", "client", "job", "reason", "pool", "backend", "status", "code", "retries", "queue_ms",
-    "ttft_ms", "tokens", "duration_ms",
-}  # fmt: skip
+# The access line's fields, in order (README, "Logs").
+ACCESS_FIELDS = "id path model client job reason pool backend status code retries queue_ms ttft_ms tokens duration_ms"
 
 
 def _records(caplog: pytest.LogCaptureFixture, count: int) -> list[logging.LogRecord]:
@@ -42,7 +40,7 @@ def test_access_line_as_json_and_text(cluster: Cluster, caplog: pytest.LogCaptur
             pass
         [record] = _records(caplog, 1)
     entry = json.loads(JsonFormatter().format(record))
-    assert set(entry) >= ACCESS_FIELDS
+    assert [key for key in entry if key not in ("time", "level", "logger", "message")] == ACCESS_FIELDS.split()
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", entry["time"])
     assert entry["model"] == "test-model"
     assert (entry["job"], entry["reason"], entry["pool"], entry["backend"]) == (
@@ -57,6 +55,7 @@ def test_access_line_as_json_and_text(cluster: Cluster, caplog: pytest.LogCaptur
     text = TextFormatter().format(record)
     assert "sk-secret-key-123" not in text + json.dumps(entry)
     assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO specroute.access id=", text)
+    assert [pair.split("=")[0] for pair in text.split(" ")[3:]] == ACCESS_FIELDS.split()
     assert f"client={entry['client']} " in text and " code=- " in text
 
 

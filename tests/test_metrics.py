@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import Cluster
 
 promtool = shutil.which("promtool")
+INTERACTIVE = {"pool": "fast", "backend": "fast-1", "job_class": "interactive"}
 
 
 @pytest.mark.skipif(promtool is None and not os.environ.get("CI"), reason="promtool not installed")
@@ -58,8 +59,7 @@ def _series(cluster: Cluster, name: str) -> list[dict[str, str]]:
 
 def test_no_label_is_one_prometheus_sets_itself(cluster: Cluster) -> None:
     openai.OpenAI(base_url=cluster.base_url, api_key="k").completions.create(model="test-model", prompt="x")
-    cluster.settled_metric("specroute_request_duration_seconds_count", 1, pool="fast", backend="fast-1",
-                           job_class="interactive", model="test-model")  # fmt: skip
+    cluster.settled_metric("specroute_request_duration_seconds_count", 1, **INTERACTIVE, model="test-model")
     labels = {label for family in cluster.registry.collect() for s in family.samples for label in s.labels}
     assert "job_class" in labels
     assert not labels & {"job", "instance"}
@@ -83,10 +83,9 @@ def test_model_label_is_bounded_whatever_clients_send(cluster: Cluster) -> None:
         client.post("/completions", json={"prompt": "no model"})
         client.post("/completions", json={"model": ["not", "a", "string"], "prompt": "x"})
         assert client.post("/completions", json={"model": "test-model", "prompt": "x"}).status_code == 200
-    assert cluster.settled_metric("specroute_request_duration_seconds_count", 200, pool="fast", backend="fast-1",
-                                  job_class="interactive", model="other") == 200  # fmt: skip
-    assert cluster.settled_metric("specroute_request_duration_seconds_count", 1, pool="fast", backend="fast-1",
-                                  job_class="interactive", model="test-model") == 1  # fmt: skip
+    duration = "specroute_request_duration_seconds_count"
+    assert cluster.settled_metric(duration, 200, **INTERACTIVE, model="other") == 200
+    assert cluster.settled_metric(duration, 1, **INTERACTIVE, model="test-model") == 1
     models = {labels["model"] for labels in _series(cluster, "specroute_requests_total")}
     assert models == {"other", "none", "test-model"}  # "none": no model named, or not as a string
     assert cluster.metric("specroute_in_flight_requests", pool="fast", backend="fast-1") == 0
@@ -118,10 +117,8 @@ def test_router_errors_carry_their_code(make_cluster: Any) -> None:
         cluster.fast.first_token_delay = 0.5
         bad = client.post("/completions", content=b"{bad")
         assert bad.status_code == 400
-        assert cluster.settled_metric(
-            "specroute_requests_total", 1, pool="", backend="", job_class="", model="none", status="400",
-            code="invalid_json",
-        ) == 1  # fmt: skip
+        unrouted = {"pool": "", "backend": "", "job_class": "", "model": "none"}
+        assert cluster.settled_metric("specroute_requests_total", 1, **unrouted, status="400", code="invalid_json") == 1
         with concurrent.futures.ThreadPoolExecutor(2) as executor:
             slow = executor.submit(client.post, "/completions", json={"model": "test-model", "prompt": "x"})
             deadline = time.monotonic() + 5
@@ -134,10 +131,8 @@ def test_router_errors_carry_their_code(make_cluster: Any) -> None:
             assert slow.result().status_code == 200
         assert full.status_code == 503
         assert full.json()["error"]["code"] == "queue_full"
-        assert cluster.settled_metric(
-            "specroute_requests_total", 1, pool="fast", backend="", job_class="interactive", model="test-model",
-            status="503", code="queue_full",
-        ) == 1  # fmt: skip
+        queued = {"pool": "fast", "backend": "", "job_class": "interactive", "model": "test-model"}
+        assert cluster.settled_metric("specroute_requests_total", 1, **queued, status="503", code="queue_full") == 1
         assert cluster.settled_metric("specroute_in_flight_requests", 0, pool="fast", backend="fast-1") == 0
         assert cluster.metric("specroute_queued_requests", pool="fast", job_class="interactive") == 0
         assert client.post("/completions", json={"model": "test-model", "prompt": "x"}).status_code == 200
@@ -148,5 +143,5 @@ def test_process_and_build_collectors(cluster: Cluster) -> None:
     for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds", "python_info"):
         assert f"\n{name}" in text, name
     version = httpx.get(cluster.router.url + "/version").json()
-    assert cluster.metric("specroute_build_info", version=version["version"], commit=version["commit"] or "",
-                          python=version["python"]) == 1  # fmt: skip
+    build = {"version": version["version"], "commit": version["commit"] or "", "python": version["python"]}
+    assert cluster.metric("specroute_build_info", **build) == 1
