@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from collections import deque
@@ -25,6 +26,9 @@ from router.policy import PoolState
 from router.scrape import EngineLoad
 
 _EWMA = 0.2  # weight of the newest request duration in the pool's running mean
+
+# One line each time a backend is taken out or comes back, with why.
+state_log = logging.getLogger("specroute.backends")
 
 
 class Backend:
@@ -103,12 +107,18 @@ class Backend:
             return  # ejected backends sit out their time whatever the probes say
         if ok:
             self._probes_failed, self._probes_passed = 0, self._probes_passed + 1
-            if first or self._probes_passed >= config.healthy_after:
+            if not self.healthy and (first or self._probes_passed >= config.healthy_after):
                 self.healthy = True
+                state_log.info(
+                    "backend %s (pool %s) healthy: %d health checks passed", *self._names, self._probes_passed
+                )
         else:
             self._probes_failed, self._probes_passed = self._probes_failed + 1, 0
-            if first or self._probes_failed >= config.unhealthy_after:
+            if self.healthy and (first or self._probes_failed >= config.unhealthy_after):
                 self.healthy = False
+                state_log.warning(
+                    "backend %s (pool %s) unhealthy: %d health checks failed", *self._names, self._probes_failed
+                )
 
     def request_failed(self, now: float, config: HealthConfig) -> bool:
         """A request failed on this backend; returns True if that ejected it."""
@@ -119,8 +129,18 @@ class Backend:
         self.ejected_for = min(config.max_ejection_seconds, config.ejection_seconds * 2 ** (self.ejections - 1))
         self.ejected_until = now + self.ejected_for
         self.healthy = False
+        state_log.warning(
+            "backend %s (pool %s) ejected for %g s: %d requests failed in a row",
+            *self._names,
+            self.ejected_for,
+            self._requests_failed,
+        )
         self._requests_failed = self._probes_passed = 0
         return True
+
+    @property
+    def _names(self) -> tuple[str, str]:
+        return self.name, self.pool
 
     def request_succeeded(self) -> None:
         self._requests_failed = 0

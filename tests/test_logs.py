@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -124,3 +125,36 @@ def test_demo_listens_where_the_environment_says_and_logs_json() -> None:
     entries = [json.loads(line) for line in lines if line.strip()]  # every line is JSON
     [access] = [e for e in entries if e["logger"] == "specroute.access"]
     assert access["path"] == "/v1/completions" and access["status"] == 200
+
+
+def _wait_for_line(caplog: pytest.LogCaptureFixture, text: str) -> logging.LogRecord:
+    deadline = time.monotonic() + 5
+    while True:
+        found = [r for r in caplog.records if r.name == "specroute.backends" and text in r.getMessage()]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"no log line with {text!r}"
+        time.sleep(0.01)
+
+
+def test_backend_state_changes_are_logged_once_each(make_cluster: Any, caplog: pytest.LogCaptureFixture) -> None:
+    health = {"interval": 0.05, "unhealthy_after": 2, "healthy_after": 2, "eject_after": 1, "ejection_seconds": 0.2}
+    with caplog.at_level(logging.INFO, logger="specroute.backends"), make_cluster(health=health) as cluster:
+        cluster.fast.healthy = False
+        down = _wait_for_line(caplog, "backend fast-1 (pool fast) unhealthy: 2 health checks failed")
+        assert down.levelno == logging.WARNING
+        cluster.fast.healthy = True
+        _wait_for_line(caplog, "backend fast-1 (pool fast) healthy: 2 health checks passed")
+        # A failing request ejects it (and is retried on the other pool).
+        cluster.fast.fail_status, cluster.fast.fail_count = 503, 1
+        answer = httpx.post(cluster.base_url + "/completions", json={"model": "test-model", "prompt": "x"})
+        assert answer.status_code == 200
+        _wait_for_line(caplog, "backend fast-1 (pool fast) ejected for 0.2 s: 1 requests failed in a row")
+        # Back through its health checks once the ejection time is over.
+        deadline = time.monotonic() + 5
+        while len([r for r in caplog.records if " healthy:" in r.getMessage()]) < 2:
+            assert time.monotonic() < deadline, "the ejected backend never came back"
+            time.sleep(0.01)
+    lines = [r.getMessage() for r in caplog.records if r.name == "specroute.backends"]
+    assert len([line for line in lines if "unhealthy" in line]) == 1, lines  # one line per change, not per probe
+    assert len([line for line in lines if " healthy:" in line]) == 2, lines
