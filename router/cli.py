@@ -15,6 +15,7 @@ import uvicorn
 from router import logs
 from router.app import create_app
 from router.config import CONFIG_ENV, ConfigError, Settings, load_settings, masked
+from router.listener import uvicorn_config
 from router.server import RouterServer
 
 
@@ -123,17 +124,7 @@ def run_router(
     log_format: logs.LogFormat | None = None,
 ) -> None:
     logs.configure(log_level, log_format or settings.log.format)
-    config = uvicorn.Config(
-        create_app(settings, load=load),
-        host=host or settings.listen.host,
-        port=port if port is not None else settings.listen.port,
-        loop="uvloop",
-        http="httptools",
-        access_log=False,  # the router writes its own, one line per request
-        server_header=False,
-        log_level=log_level,
-        log_config=None,  # uvicorn's lines go through the router's format (router.logs)
-    )
+    config = uvicorn_config(create_app(settings, load=load), settings, host=host, port=port, log_level=log_level)
     # Once uvicorn has shut down on SIGINT or SIGTERM it raises the signal again, for the handler
     # there before it started; with this one, a router that stopped as asked exits with status 0.
     for stop in (signal.SIGINT, signal.SIGTERM):

@@ -36,6 +36,9 @@ class _Model(BaseModel):
 class Listen(_Model):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    # Peers trusted to say who the client is (X-Forwarded-For, X-Forwarded-Proto): addresses or
+    # networks, or "*". A request from anyone else is the address it came from. uvicorn's default.
+    forwarded_allow_ips: list[str] = ["127.0.0.1", "::1"]
 
 
 class Backend(_Model):
@@ -132,8 +135,9 @@ class Timeouts(_Model):
     idle: float = Field(default=60.0, gt=0)
     # Longest time a client may take to send its request body.
     client_body: float = Field(default=30.0, gt=0)
-    # Longest time a client may take to send a request's head (line and headers); then the
-    # connection is closed. Slow-header clients cannot hold connections open.
+    # Longest time a client may take to send a request's head (line and headers), and a new
+    # connection its first byte; then the connection is closed (a head begun is answered 408).
+    # Slow-header and silent clients cannot hold connections open.
     request_head: float = Field(default=10.0, gt=0)
     # How long an idle client keep-alive connection is kept open between requests.
     keep_alive: float = Field(default=5.0, gt=0)
@@ -149,7 +153,8 @@ class Limits(_Model):
     # nginx allows 4 x 8 KiB by default, Envoy 60 KiB.
     request_head_bytes: int = Field(default=64 * 1024, ge=1024)
     request_headers: int = Field(default=100, ge=1)
-    # Open client connections; more are refused at once rather than running out of descriptors.
+    # Open client connections; more are answered 503 and closed at once, before anything is
+    # read, rather than running out of descriptors.
     max_connections: int = Field(default=4096, ge=1)
     # JSON nested deeper than this is 400 invalid_json (Python's parser would recurse).
     json_depth: int = Field(default=64, ge=1)

@@ -1,14 +1,15 @@
 """The errors the router itself raises, rendered once in OpenAI's error shape.
 
     RouterError
-    ├── BadRequest            400  malformed JSON, bad override header
+    ├── BadRequest            400  malformed JSON, bad override header, bad path, an upgrade request
     ├── Unauthorized          401  client keys are required and this is not one
     ├── PermissionDenied      403  this key may not use an override header
     ├── NotFound              404
     ├── MethodNotAllowed      405
     ├── RequestTimeout        408  the body did not arrive in time
     ├── PayloadTooLarge       413
-    ├── NoBackendAvailable    503  (+ Retry-After) queue full, queue wait over, pool down
+    ├── HeadersTooLarge       431  the request head is too large, or has too many fields
+    ├── NoBackendAvailable    503  (+ Retry-After) queue full, queue wait over, pool down, too many connections
     └── UpstreamError         502  upstream unreachable or broken
         └── UpstreamTimeout   504
 
@@ -96,6 +97,11 @@ class RequestTimeout(RouterError):
 
 class PayloadTooLarge(RouterError):
     status_code = 413
+    error_type = "invalid_request_error"
+
+
+class HeadersTooLarge(RouterError):
+    status_code = 431
     error_type = "invalid_request_error"
 
 

@@ -30,8 +30,18 @@ from router.version import BuildInfo, build_info
 
 logger = logging.getLogger("specroute")
 
-# Settings that a running router cannot take: its socket is already bound, its log set up.
-_NEEDS_RESTART = ("listen.", "log.")
+# Settings that a running router cannot take: its socket is already bound, its log set up, and
+# each connection is held to the client limits it was accepted with (router/listener.py).
+_NEEDS_RESTART = (
+    "listen.",
+    "log.",
+    "timeouts.request_head",
+    "timeouts.keep_alive",
+    "timeouts.client_write",
+    "limits.request_head_bytes",
+    "limits.request_headers",
+    "limits.max_connections",
+)
 
 
 class Router:

@@ -9,13 +9,18 @@ from typing import Any
 
 import uvicorn
 
+from router.listener import uvicorn_config
+
 
 class ServerThread:
     def __init__(self, app: Any, *, fast: bool = False) -> None:
-        # `fast` runs the router's production stack (uvloop, httptools); fakes use the defaults.
+        # `fast`: `app` is a router (router.app.create_app), served from its settings exactly as
+        # `specroute serve` serves it (uvloop, its connection limits); fakes use uvicorn's defaults.
         self.app = app
-        extra: dict[str, Any] = {"loop": "uvloop", "http": "httptools"} if fast else {}
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False, **extra)
+        if fast:
+            config = uvicorn_config(app, app.state.router.settings, host="127.0.0.1", port=0, log_level="warning")
+        else:
+            config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -19,6 +19,7 @@ from starlette.applications import Starlette
 
 from router.app import create_app
 from router.config import Listen, Settings
+from router.listener import uvicorn_config
 from router.server import RouterServer
 from router.sim.profile import Profile, load_profile
 from router.sim.server import create_sim_app
@@ -128,8 +129,9 @@ async def serve_cluster(
     router_sock = _bind(host, settings.listen.port if port is None else port)
     listen = Listen(host=host, port=router_sock.getsockname()[1])
     settings = settings.model_copy(update={"listen": listen})
-    apps.append((create_app(settings), router_sock))
     configs = [uvicorn.Config(app, log_level="warning", access_log=False, server_header=False) for app, _ in apps]
+    apps.append((create_app(settings), router_sock))
+    configs.append(uvicorn_config(apps[-1][0], settings, log_level="warning"))
     # The router's server shuts down gracefully; it is the last one started, so the first to hear
     # SIGTERM or Ctrl-C (see the end).
     servers = [*(uvicorn.Server(config) for config in configs[:-1]), RouterServer(configs[-1])]
