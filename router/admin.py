@@ -6,7 +6,6 @@ no admin key configured the API is off (403). Client keys never open it.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from starlette.requests import Request
@@ -15,6 +14,7 @@ from starlette.routing import Route
 
 from router.errors import BadRequest
 from router.headers import bearer
+from router.payload import parse_json
 from router.pools import Backend
 from router.runtime import Router
 
@@ -39,17 +39,14 @@ def admin_routes(router: Router) -> list[Route]:
 
 async def _set_draining(request: Request, router: Router, *, draining: bool) -> Response:
     router.auth.check_admin(bearer(request.headers.get("authorization")))
-    target = _target(await request.body())
+    target = _target(await request.body(), max_depth=router.settings.limits.json_depth)
     backends = router.set_draining(pool=target.get("pool"), backend=target.get("backend"), draining=draining)
     return JSONResponse({"draining": draining, "backends": [_view(backend) for backend in backends]})
 
 
-def _target(body: bytes) -> dict[str, str]:
+def _target(body: bytes, *, max_depth: int) -> dict[str, str]:
     """`{"pool": NAME}` or `{"backend": NAME}`, exactly one of them."""
-    try:
-        payload: Any = json.loads(body)
-    except ValueError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    payload = parse_json(body, max_depth=max_depth)
     if not isinstance(payload, dict) or len(payload) != 1 or not payload.keys() <= {"pool", "backend"}:
         raise BadRequest('send {"pool": NAME} or {"backend": NAME}', code="invalid_target")
     [(key, name)] = payload.items()

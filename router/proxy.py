@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -40,6 +41,7 @@ from router.errors import (
 from router.headers import bearer, request_headers, response_headers
 from router.learn import SpeedModel
 from router.metrics import Metrics
+from router.payload import parse_json
 from router.policy import Decision, Policy
 from router.pools import Backend, Clients, Pools
 from router.upstream import ConnectError, ReadTimeout, TransportError, UpstreamPool, UpstreamResponse
@@ -47,6 +49,8 @@ from router.upstream import ConnectError, ReadTimeout, TransportError, UpstreamP
 access_log = logging.getLogger("specroute.access")
 T = TypeVar("T")
 
+# Control characters (C0 and DEL), which no path has once decoded.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Paths whose streams accept `stream_options.include_usage`.
 _USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # Upstream answers that mean "not now, try elsewhere" (RFC 9110 §15.6), retried before the first byte.
@@ -70,8 +74,8 @@ class Call:
     """One request on its way through the router, and what happened to it."""
 
     request_id: str
-    path: str
-    query: bytes
+    path: str  # percent-decoded, for the router's own decisions
+    target: str  # the path and query exactly as the client sent them, forwarded as they are
     headers: dict[str, str]  # lower-cased names
     started: float = field(default_factory=time.perf_counter)
     payload: dict[str, Any] = field(default_factory=dict)
@@ -131,16 +135,17 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        call = Call(headers.get("x-request-id") or uuid.uuid4().hex, scope["path"], scope["query_string"], headers)
+        call = Call(headers.get("x-request-id") or uuid.uuid4().hex, scope["path"], _raw_target(scope), headers)
         client = None
         try:
+            _check_path(call.path)
             api_key = bearer(headers.get("authorization"))
             self._auth.check_client(api_key)  # before the body is read
             for name in self._override_headers:
                 if name in headers and not self._auth.may_override(api_key, name):
                     del headers[name]  # from this client it means nothing
             call.body = await self._read_body(headers, receive)
-            call.payload = payload = _parse_json(call.body)
+            call.payload = payload = self._parse_json(call.body)
             user = _field(payload, "user", str)
             address = scope["client"][0] if scope.get("client") else None
             call.client = client = client_id(api_key, user, address)
@@ -172,6 +177,12 @@ class Proxy:
             if client is not None:
                 self._clients.finish(client)
             self._finish(call)
+
+    def _parse_json(self, body: bytes) -> dict[str, Any]:
+        payload = parse_json(body, max_depth=self._settings.limits.json_depth)
+        if not isinstance(payload, dict):
+            raise BadRequest("request body must be a JSON object", code="invalid_json")
+        return payload
 
     def _content(self, payload: dict[str, Any]) -> ContentKind:
         if payload.get("tools") or payload.get("functions"):
@@ -295,7 +306,7 @@ class Proxy:
     async def _forward(
         self, send: Send, call: Call, backend: Backend, body: bytes, drop_usage_chunk: bool, *, may_retry: bool
     ) -> None:
-        url = backend.url + call.path + (f"?{call.query.decode('latin-1')}" if call.query else "")
+        url = backend.url + call.target
         headers = request_headers(
             call.headers,
             drop=self._override_headers,
@@ -501,14 +512,19 @@ def _access_fields(call: Call, duration: float) -> dict[str, str | int | None]:
     }
 
 
-def _parse_json(body: bytes) -> dict[str, Any]:
-    try:
-        payload = json.loads(body)
-    except ValueError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(payload, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_json")
-    return payload
+def _raw_target(scope: Scope) -> str:
+    # llhttp admits only printable ASCII in a request target, so latin-1 keeps every byte as it is.
+    raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+    query: bytes = scope["query_string"]
+    return (raw_path + (b"?" + query if query else b"")).decode("latin-1")
+
+
+def _check_path(path: str) -> None:
+    """Refuse a path that means something else once decoded: a dot segment (`%2e%2e`), which
+    may climb out of /v1/ at the engine or a proxy in between, or a control character (`%00`).
+    Anything else is forwarded raw, percent-encoding and all (`%2F`, `%20`, `%3F`)."""
+    if _CONTROL.search(path) or any(segment in (".", "..") for segment in path.split("/")):
+        raise BadRequest("the request path has a dot segment or a control character", code="invalid_path")
 
 
 def _field(payload: dict[str, Any], key: str, kind: type[T]) -> T | None:
