@@ -2,35 +2,41 @@
 
 Speculative decoding pays off more on code, which a drafter guesses well, than on prose. The
 simulator uses this to pick an acceptance rate; the router uses it to decide where the
-speculative pool still pays. Only a bounded prefix of the text is looked at.
+speculative pool still pays. Only a bounded prefix and suffix of the text are looked at.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
+
+import re2
 
 ContentKind = Literal["prose", "code"]
 
+# Only a prefix and a suffix of the prompt are read: the system prompt and the question are where
+# a request says what it is about, and the cost per request stays bounded.
 _SCAN_CHARS = 8192
-_CODE_MARKERS = re.compile(
-    r"```|^\s*(def|class|import|from|fn|func|function|const|let|var|public|private|#include|package|SELECT|"
-    r"return)\b|[{};]\s*$|=>|->|::|\w+\([^)]*\)\s*[:{]",
-    re.MULTILINE,
+# RE2, not `re`: client text must never make the event loop backtrack. On Python's engine
+# `\w+\(` alone spent seconds on "a" * 8190 + "(" (every start position ran to the end); RE2
+# runs in time linear in the text, whatever the pattern (docs/benchmarks.md). Its `\w` and `\b`
+# are ASCII-only.
+_CODE_MARKERS = re2.compile(
+    r"(?m)```|^\s*(def|class|import|from|fn|func|function|const|let|var|public|private|#include|package|"
+    r"SELECT|return)\b|[{};]\s*$|=>|->|::|\w+\([^)]*\)\s*[:{]"
 )
-_CODE_WORDS = re.compile(
-    r"\b(function|python|javascript|typescript|rust|golang|java|sql|regex|refactor|compile|bug|stack trace|"
-    r"unit test|implement|code)\b",
-    re.IGNORECASE,
+_CODE_WORDS = re2.compile(
+    r"(?i)\b(function|python|javascript|typescript|rust|golang|java|sql|regex|refactor|compile|bug|stack trace|"
+    r"unit test|implement|code)\b"
 )
 
 
 def detect_kind(text: str, *, hints: tuple[str, ...] = ()) -> ContentKind:
     """`code` when the text holds code, asks for code, or contains one of `hints`."""
-    head = text[:_SCAN_CHARS]
-    if _CODE_MARKERS.search(head) or len(_CODE_WORDS.findall(head)) >= 2:
+    if len(text) > 2 * _SCAN_CHARS:
+        text = text[:_SCAN_CHARS] + "\n" + text[-_SCAN_CHARS:]
+    if _CODE_MARKERS.search(text) or len(_CODE_WORDS.findall(text)) >= 2:
         return "code"
-    lowered = head.lower()
+    lowered = text.lower()
     if any(hint.lower() in lowered for hint in hints):
         return "code"
     return "prose"
