@@ -103,13 +103,12 @@ class ClientProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.client_limits.max_connections:
-            # Refused before anything is read, so that descriptors never run out.
+            # Refused before anything is parsed: the descriptor is back within _LINGER_SECONDS.
             error = NoBackendAvailable(
                 f"the router has {self.client_limits.max_connections} client connections open; try again",
                 code="too_many_connections",
             )
-            self.transport.write(_response_bytes(error, self.server_state.default_headers))
-            self.transport.close()
+            self._refuse(error)
             return
         # A connection that never sends a request is closed like a head that never ends.
         self._arm_head_timer()

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn, TypeVar
 
 import anyio
-from starlette.types import Receive, Scope, Send
+import anyio.lowlevel
+from starlette.types import Message, Receive, Scope, Send
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay
 
 from router import logs, sse
@@ -227,11 +228,18 @@ class Proxy:
             gone = True
             cancel.cancel()
 
+        async def send_while_there(message: Message) -> None:
+            if gone:
+                # uvicorn drops what is sent to a client that left without suspending, so a relay
+                # from an engine that streams fast might never reach a point where the cancel lands.
+                await anyio.lowlevel.checkpoint()
+            await send(message)
+
         async with anyio.create_task_group() as group:
             group.start_soon(watch, group.cancel_scope)
             self._serving.add(group.cancel_scope)
             try:
-                await self._serve(send, call)
+                await self._serve(send_while_there, call)
                 served = True
             except RouterError as exc:
                 error = exc  # raised outside the group, which would wrap it in an ExceptionGroup
