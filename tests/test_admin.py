@@ -250,3 +250,31 @@ def test_reload_of_a_router_started_without_a_file_is_409(make_cluster: Any, adm
         answer = _admin(cluster, "reload", b"")
         assert answer.status_code == 409
         assert answer.json()["error"]["code"] == "nothing_to_reload"
+
+
+def test_reload_names_the_client_limits_as_needing_a_restart(
+    make_cluster: Any, admin_key: dict[str, Any], tmp_path: Path
+) -> None:
+    """The client limits hold each connection from when it was accepted (router/listener.py);
+    the JSON depth is read per request, so it takes effect at once."""
+    config = tmp_path / "router.yaml"
+    with make_cluster(config_file=config, **admin_key) as cluster:
+        data = json.loads(json.dumps(cluster.config))
+        data["listen"] = {"forwarded_allow_ips": ["10.0.0.1"]}
+        data["timeouts"] = {"request_head": 3, "keep_alive": 2, "client_write": 4}
+        data["limits"] = {"request_head_bytes": 4096, "request_headers": 20, "max_connections": 10, "json_depth": 2}
+        _write(config, data)
+        answer = _admin(cluster, "reload", b"")
+        assert answer.status_code == 200, answer.text
+        restart = [
+            "limits.max_connections",
+            "limits.request_head_bytes",
+            "limits.request_headers",
+            "listen.forwarded_allow_ips",
+            "timeouts.client_write",
+            "timeouts.keep_alive",
+            "timeouts.request_head",
+        ]
+        assert answer.json() == {"reloaded": True, "changed": ["limits.json_depth", *restart], "needs_restart": restart}
+        deep = {**CHAT, "metadata": {"a": {"b": "c"}}}  # three levels: past the new depth of 2
+        assert httpx.post(cluster.base_url + "/chat/completions", json=deep).json()["error"]["code"] == "invalid_json"

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import time
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.content import ContentKind, detect_kind, request_text
+from router.prompts import prompts
 
 
 @pytest.mark.parametrize(
@@ -42,3 +47,72 @@ def test_request_text_reads_the_prompt_and_ignores_what_is_not_one(payload: dict
 )
 def test_detect_kind(text: str, hints: tuple[str, ...], kind: ContentKind) -> None:
     assert detect_kind(text, hints=hints) == kind
+
+
+# The patterns content detection used on Python's backtracking engine before google-re2, as an
+# oracle: on short text (where backtracking costs little) RE2 must decide exactly as they did.
+_OLD_MARKERS = re.compile(
+    r"```|^\s*(def|class|import|from|fn|func|function|const|let|var|public|private|#include|package|SELECT|"
+    r"return)\b|[{};]\s*$|=>|->|::|\w+\([^)]*\)\s*[:{]",
+    re.MULTILINE,
+)
+_OLD_WORDS = re.compile(
+    r"\b(function|python|javascript|typescript|rust|golang|java|sql|regex|refactor|compile|bug|stack trace|"
+    r"unit test|implement|code)\b",
+    re.IGNORECASE,
+)
+
+
+def _old_kind(text: str) -> ContentKind:
+    return "code" if _OLD_MARKERS.search(text) or len(_OLD_WORDS.findall(text)) >= 2 else "prose"
+
+
+@pytest.mark.parametrize("kind", ["prose", "code"])
+def test_the_shipped_prompts_are_classified_as_before(kind: ContentKind) -> None:
+    for prompt in prompts(kind):
+        assert detect_kind(prompt) == _old_kind(prompt) == kind
+
+
+# ASCII text built from the pieces the patterns look for (RE2's \w and \b are ASCII-only).
+_PIECES = st.sampled_from(
+    ["def ", "class ", "return", "f(x)", " {", "}", ";", ":", "=>", "->", "::", "```", "(", ")", "\n", "\t", " ",
+     "python", "code", "bug", "a", "word", "_", "9", ".", "SELECT", "#include", "unit test", "Code"]
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_PIECES, max_size=40).map("".join))
+def test_re2_decides_exactly_as_the_old_patterns_did(text: str) -> None:
+    assert detect_kind(text) == _old_kind(text)
+
+
+def test_only_a_prefix_and_a_suffix_are_read() -> None:
+    filler = "Tell me about the tides. " * 2000  # 50,000 characters of prose
+    assert detect_kind(filler + "def area(r):\n    return r") == "code"  # the question at the end
+    assert detect_kind("def area(r):\n    return r\n" + filler) == "code"  # the code at the start
+    assert detect_kind(filler[:25_000] + "def area(r):\n" + filler[:25_000]) == "prose"  # unread middle
+
+
+def _cost(text: str) -> float:
+    """The least of several timings of one detection: the machine's noise only ever adds."""
+    timings = []
+    for _ in range(7):
+        started = time.perf_counter()
+        detect_kind(text)
+        timings.append(time.perf_counter() - started)
+    return min(timings)
+
+
+# What made Python's engine backtrack: long runs that a pattern starts on at every position.
+_ADVERSARIAL = st.sampled_from(["a", "a(", "\n", "\n\t", " ", ";", "a(b", "(", "a)(", "ab ", "{ ", "x=>"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(unit=_ADVERSARIAL, tail=st.sampled_from(["", "(", ")", " {", "x"]))
+def test_detection_time_grows_linearly_with_the_text(unit: str, tail: str) -> None:
+    # Both sizes fit within the prefix and suffix that are read, so all of each text is scanned.
+    small = (unit * 2000)[:2000] + tail
+    large = (unit * 8000)[:8000] + tail
+    # Four times the text: linear costs about 4x, the old quadratic patterns 16x (seconds at
+    # this size). 10x plus a millisecond of slack leaves room for a busy machine.
+    assert _cost(large) < 10 * _cost(small) + 0.001
