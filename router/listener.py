@@ -104,9 +104,10 @@ class ClientProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         if len(self.connections) > self.client_limits.max_connections:
             # Refused before anything is parsed: the descriptor is back within _LINGER_SECONDS.
+            cap = self.client_limits.max_connections
+            logger.warning("refused a client connection: limits.max_connections (%d) are open", cap)
             error = NoBackendAvailable(
-                f"the router has {self.client_limits.max_connections} client connections open; try again",
-                code="too_many_connections",
+                f"the router has {cap} client connections open; try again", code="too_many_connections"
             )
             self._refuse(error)
             return
@@ -231,6 +232,8 @@ class ClientProtocol(HttpToolsProtocol):
 
     def _refuse(self, error: RouterError) -> None:
         """Answer `error` (unless a response is under way on this connection) and close."""
+        # Not worth more than a debug line each: like other 4xx, a client's mistake (or attack).
+        logger.debug("refused a client request: %s %s", error.status_code, error.code)
         self._refused = True
         self._cancel_timers()
         if self.transport.is_closing():
