@@ -152,6 +152,14 @@ async def test_too_many_header_fields_is_431_and_nothing_is_forwarded(cluster: C
 
 
 @pytest.mark.anyio
+async def test_bytes_that_are_not_http_get_400_in_the_openai_shape(cluster: Cluster) -> None:
+    raw = await _exchange(cluster.router.port, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 not HTTP\r\n\r\n")
+    _error(raw, 400, "invalid_request")
+    _nothing_forwarded(cluster)
+    _assert_unharmed(cluster)
+
+
+@pytest.mark.anyio
 async def test_a_head_sent_a_byte_at_a_time_is_answered_408_and_closed_at_the_head_timeout(
     make_cluster: MakeCluster,
 ) -> None:
