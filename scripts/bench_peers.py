@@ -242,7 +242,9 @@ class Stack:
 # --- one measurement -----------------------------------------------------------------------
 
 
-def measure(target: str, workload: Workload, args: argparse.Namespace, rep: int) -> dict[str, object]:
+def measure(
+    target: str, workload: Workload, args: argparse.Namespace, rep: int, *, profile: bool = False
+) -> dict[str, object]:
     with (
         tempfile.TemporaryDirectory(prefix=f"peers-{target}-") as tmp,
         Stack(target, workload, args, Path(tmp)) as stack,
@@ -261,10 +263,13 @@ def measure(target: str, workload: Workload, args: argparse.Namespace, rep: int)
         engines_before = sum(cpu_seconds(p.pid) for p in stack.processes[:2])
         before = cpu_seconds(watched) if watched else 0.0
         calls_before = syscalls(watched) if watched else (0, 0)
-        profiler = _profile(watched, workload, args) if args.profile_run and watched else None
+        profiler = _profile(watched, workload, args) if profile and watched else None
         client.stdin.write("go\n")
         client.stdin.flush()
-        result = json.loads(client.stdout.readline())
+        line = client.stdout.readline()
+        if not line:
+            raise SystemExit(f"{target}: the client ended without results (exit {client.wait()})")
+        result = json.loads(line)
         cpu = cpu_seconds(watched) - before if watched else None
         calls = (
             [after - earlier for after, earlier in zip(syscalls(watched), calls_before, strict=True)]
@@ -404,7 +409,6 @@ def main() -> None:
     if args.quick:
         args.reps, args.paced_streams, args.paced_tokens, args.ramp, args.paced_duration = 1, 16, 16, 0.2, 1.0
         args.sat_streams, args.sat_tokens, args.sat_duration = 8, 64, 1.0
-    args.profile_run = False
     args.out.mkdir(parents=True, exist_ok=True)
     targets = [t for t in args.targets.split(",") if t]
     if unknown := set(targets) - set(TARGETS):
@@ -426,9 +430,8 @@ def main() -> None:
     header["load_average_at_end"] = os.getloadavg()
 
     if args.profile and "specroute" in targets:
-        args.profile_run = True
         saturated = Workload("saturated", args.sat_streams, args.sat_tokens, 0.0, args.sat_ramp, args.sat_duration)
-        measure("specroute", saturated, args, 0)
+        measure("specroute", saturated, args, 0, profile=True)
         _summarise_profile(args.out / "profile-specroute-saturated.txt", args.out / "profile-top.txt")
 
     report = "\n".join([
