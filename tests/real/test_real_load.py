@@ -1,0 +1,205 @@
+"""What the router reads from real engines under load, and what it does with it.
+
+Timing on two shared cores varies a lot, so every check waits for its condition with a
+deadline; the loads are sized so that the condition holds for seconds, not for one instant
+(16 requests of 1,500 tokens keep the speculative engine's 4,096-token KV cache full and
+requests waiting for about 15 s).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+import pytest
+from openai.types.chat import ChatCompletion
+
+from tests.real.conftest import RealCluster
+from tests.real.engines import wait_for
+
+pytestmark = pytest.mark.real
+
+LONG = 1500  # tokens per long request: with its prompt, 12 of the KV cache's 32 blocks of 128
+
+
+@contextmanager
+def long_requests(
+    cluster: RealCluster, pool: str, count: int
+) -> Iterator[list[Future[tuple[str, str, ChatCompletion]]]]:
+    """`count` long requests pinned to `pool`, running while the block runs; all must succeed."""
+    with ThreadPoolExecutor(max_workers=count) as threads:
+        futures = [
+            threads.submit(cluster.chat, user=f"long-{i}", pool=pool, max_tokens=LONG, content=f"Story {i}: once upon")
+            for i in range(count)
+        ]
+        yield futures
+        for future in futures:
+            served, _, answer = future.result(timeout=300)
+            assert served == pool and answer.usage is not None and answer.usage.completion_tokens == LONG
+
+
+def test_memory_of_each_engine(real: RealCluster) -> None:
+    for engine in (real.fast, real.team):
+        assert 500 < engine.memory_mib() < 3.5 * 1024  # about 2.2 GiB each on this machine kind
+
+
+def test_the_scraper_reads_the_real_engines(cluster: RealCluster) -> None:
+    seen: dict[str, float] = {}
+
+    def loaded() -> bool:
+        engine = cluster.backend("fast")["engine"]
+        if engine["running"] and engine["kv_usage"] and engine["acceptance"] is not None:
+            seen.update(engine)
+            return True
+        return False
+
+    with long_requests(cluster, "fast", 4):
+        wait_for(loaded, timeout=60, what="the router's view of fast-1 shows running, KV usage and acceptance")
+        labels = {"pool": "fast", "backend": "fast-1"}
+        wait_for(
+            lambda: (cluster.router_metric("specroute_engine_running_requests", **labels) or 0) > 0,
+            timeout=30,
+            what="specroute_engine_running_requests of fast-1 above 0",
+        )
+        assert (cluster.router_metric("specroute_engine_kv_cache_usage_ratio", **labels) or 0) > 0
+        assert cluster.router_metric("specroute_engine_scrape_stale", **labels) == 0
+    assert 1 <= seen["running"] <= 4
+    assert 0 < seen["kv_usage"] <= 1
+    # ngram drafts on the looping random model are mostly right (about 60 %), never all wrong.
+    assert 0 < seen["acceptance"] <= 1
+    assert seen["accept_length"] is not None and 1 < seen["accept_length"] <= 5  # 4 drafted + 1
+    # The standard engine drafts nothing.
+    team = cluster.backend("team")["engine"]
+    assert team["acceptance"] is None and team["running"] is not None and not team["stale"]
+    # Once the load is over, the router's view follows the engine back down.
+    wait_for(lambda: cluster.backend("fast")["engine"]["running"] == 0, timeout=30, what="fast-1 scraped idle")
+
+
+def test_a_client_that_disconnects_is_aborted_in_the_engine(cluster: RealCluster) -> None:
+    finished_before = cluster.team.metric("vllm:request_success_total")  # every finish reason
+    tokens_before = cluster.team.metric("vllm:generation_tokens_total")
+    stream = cluster.client().chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "A long story, please."}],
+        max_tokens=1800,  # seconds of decoding on the standard engine: far longer than the abort takes
+        stream=True,
+        extra_headers={"X-Route-Pool": "team"},
+        extra_body={"ignore_eos": True},
+    )
+    for _, _chunk in zip(range(5), stream, strict=False):
+        pass
+    assert cluster.team.metric("vllm:num_requests_running") == 1
+    stream.close()  # the client goes away mid-stream
+
+    wait_for(lambda: cluster.team.metric("vllm:num_requests_running") == 0, timeout=10, what="team engine idle")
+    # Stopped, not finished: vLLM counts a finished request (stop, length, ...), not an aborted
+    # one, and it generated far fewer tokens than asked for.
+    assert cluster.team.metric("vllm:request_success_total") == finished_before
+    assert cluster.team.metric("vllm:generation_tokens_total") - tokens_before < 1800
+    labels = {"pool": "team", "backend": "team-1"}
+    wait_for(
+        lambda: cluster.router_metric("specroute_in_flight_requests", **labels) == 0,
+        timeout=10,
+        what="the router's in-flight gauge back to 0",
+    )
+
+
+def test_interactive_work_spills_when_the_speculative_engine_is_full(cluster: RealCluster) -> None:
+    served, reason, _ = cluster.chat(user="probe", job="interactive")
+    assert (served, reason) == ("fast", "header")  # idle: interactive work goes to the speculative pool
+    reasons: Counter[tuple[str, str]] = Counter()
+    wanted = {"spill:spec-kv-full", "spill:spec-queueing"}
+
+    def spilled() -> bool:
+        served, reason, answer = cluster.chat(user="probe", job="interactive", max_tokens=2)
+        assert answer.usage is not None and answer.usage.completion_tokens == 2
+        reasons[served, reason] += 1
+        return served == "team" and reason in wanted
+
+    with long_requests(cluster, "fast", 16):
+        # Each probe is one decision on the router's latest reading of the real engine.
+        wait_for(spilled, timeout=90, interval=0.1, what=f"a spill for a full KV cache or a queue; saw {reasons}")
+        engine = cluster.backend("fast")["engine"]
+        assert (engine["waiting"] or 0) > 0 or (engine["kv_usage"] or 0) >= 0.9
+    # Never because the router's own slots ran out: it had room for more than the engine.
+    assert not any(reason == "spill:spec-full" for _, reason in reasons)
+    # Once the long requests are done, interactive work goes back to the speculative pool.
+    wait_for(
+        lambda: cluster.chat(user="probe", job="interactive", max_tokens=2)[:2] == ("fast", "header"),
+        timeout=30,
+        what="interactive work back on fast",
+    )
+
+
+def test_drain_and_resume(cluster: RealCluster) -> None:
+    stream = cluster.client().chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "A story that outlives the drain."}],
+        max_tokens=400,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [next(stream)]  # it started on fast
+    try:
+        drained = cluster.admin("drain", {"pool": "fast"})
+        assert drained.status_code == 200
+        assert drained.json()["backends"][0]["draining"] is True
+        served, reason, _ = cluster.chat(user="while-drained")
+        assert (served, reason) == ("team", "spill:spec-draining")
+        chunks.extend(stream)  # the request that was running finishes, whole
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 400
+        resumed = cluster.admin("resume", {"pool": "fast"})
+        assert resumed.status_code == 200 and resumed.json()["backends"][0]["draining"] is False
+    finally:
+        cluster.admin("resume", {"pool": "fast"})
+    served, reason, _ = cluster.chat(user="after-resume")
+    assert (served, reason) == ("fast", "default")
+
+
+def test_an_engine_killed_under_load_fails_over_and_returns(cluster: RealCluster) -> None:
+    outcomes: list[tuple[str, str]] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def load(worker: int) -> None:
+        while not stop.is_set():
+            try:
+                served, reason, _ = cluster.chat(user=f"steady-{worker}", max_tokens=16)
+                outcomes.append((served, reason))
+            except Exception as exc:
+                failures.append(exc)
+
+    workers = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+    for worker in workers:
+        worker.start()
+    try:
+        wait_for(lambda: ("fast", "default") in outcomes, timeout=30, what="steady load served on fast")
+        cluster.fast.kill()
+        killed_at = len(outcomes)
+        # Requests that found fast-1 gone are retried on team before any byte reached the client.
+        wait_for(
+            lambda: any(reason == "failover:fast" for _, reason in outcomes[killed_at:]),
+            timeout=30,
+            what="a request failed over from fast to team",
+        )
+        wait_for(lambda: cluster.backend("fast")["ejected_seconds_left"] > 0, timeout=10, what="fast-1 ejected")
+        wait_for(lambda: not cluster.backend("fast")["healthy"], timeout=30, what="fast-1 unhealthy")
+        wait_for(lambda: outcomes[-1] == ("team", "spill:spec-down"), timeout=30, what="new work sent to team at once")
+
+        cluster.fast.start()
+        cluster.fast.wait_healthy()
+        wait_for(lambda: cluster.backend("fast")["healthy"], timeout=60, what="fast-1 back in the router")
+        back_at = len(outcomes)
+        wait_for(lambda: ("fast", "default") in outcomes[back_at:], timeout=30, what="work on fast-1 again")
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=120)
+    # Not one request of the steady load was lost: none had started on fast-1 when it died.
+    assert failures == []
+    served_by = Counter(served for served, _ in outcomes)
+    assert served_by["fast"] > 0 and served_by["team"] > 0
