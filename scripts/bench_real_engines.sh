@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The mixed load on two real vLLM servers (scripts/real-engines): interactive users beside a
+# batch job, through the router and against each engine alone, at a few user counts; and how
+# the router decided (specroute_route_decisions_total, counted per run). docs/benchmarks.md,
+# "On real engines". About 15 minutes on two cores.
+# Usage: scripts/bench_real_engines.sh [users ...]   (default 2 4 8 16)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+users=("$@")
+((${#users[@]})) || users=(2 4 8 16)
+out=docs/bench/real
+duration=${DURATION:-30}
+mkdir -p "$out"
+
+scripts/real-engines install
+fast=http://127.0.0.1:9201 team=http://127.0.0.1:9202 router=http://127.0.0.1:9200
+scripts/real-engines serve 9201 9202 >"$out/engines.log" 2>&1 &
+engines=$!
+trap 'kill $engines ${serve:-} 2>/dev/null; wait' EXIT
+
+up() {  # until $1 answers 200, at most $2 seconds
+  local deadline=$((SECONDS + $2))
+  until curl -sf -o /dev/null "$1"; do
+    ((SECONDS < deadline)) || { echo "$1 not up after $2 s" >&2; exit 1; }
+    sleep 1
+  done
+}
+up $fast/health 300
+up $team/health 300
+
+cat >"$out/router.yaml" <<EOF
+listen: {port: 9200}
+pools:
+  fast: {speculative: true, backends: {fast-1: {url: $fast, max_concurrency: 32}}}
+  team: {speculative: false, backends: {team-1: {url: $team, max_concurrency: 32}}}
+scrape: {interval: 0.5}
+EOF
+specroute serve --config "$out/router.yaml" >"$out/router.log" 2>&1 &
+serve=$!
+up $router/readyz 30
+
+decisions() { curl -s $router/metrics | grep '^specroute_route_decisions_total' || true; }
+
+for u in "${users[@]}"; do
+  common=(--interactive "$u" --batch 8 --duration "$duration" --think 1 --max-tokens 256 --batch-header)
+  decisions >"$out/decisions-before-$u.txt"
+  specroute bench mixed --base-url $router/v1 "${common[@]}" --out "$out/routed-$u"
+  decisions >"$out/decisions-after-$u.txt"
+  specroute bench mixed --base-url $fast/v1 "${common[@]}" --out "$out/fast-alone-$u"
+  specroute bench mixed --base-url $team/v1 "${common[@]}" --out "$out/team-alone-$u"
+done
+
+python3 - "$out" "${users[@]}" <<'EOF' | tee "$out/report.md"
+import json, re, sys
+from collections import Counter
+from pathlib import Path
+
+out, users = Path(sys.argv[1]), sys.argv[2:]
+
+def interactive(name: str) -> dict:
+    data = json.loads((out / name / "mixed.json").read_text())
+    [layout] = data["layouts"].values()
+    return layout["interactive"]
+
+def counts(path: Path) -> Counter:
+    found = Counter()
+    for line in path.read_text().splitlines():
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+        found[labels["job"], labels["pool"], labels["reason"]] += float(line.rsplit(" ", 1)[1])
+    return found
+
+def ms(value) -> str:
+    return "–" if value is None else f"{value * 1000:.0f} ms"
+
+print("| users | layout | requests | TTFT p50 | TTFT p99 | worst TTFT | per-user tok/s | errors |")
+print("|---:|---|---:|---:|---:|---:|---:|---:|")
+for u in users:
+    for layout in ("routed", "fast-alone", "team-alone"):
+        s = interactive(f"{layout}-{u}")
+        speed = "–" if s["per_user_tps"] is None else f"{s['per_user_tps']:.0f}"
+        print(f"| {u} | {layout} | {s['requests']} | {ms(s['ttft_p50'])} | {ms(s['ttft_p99'])} "
+              f"| {ms(s['ttft_worst'])} | {speed} | {s['errors']} |")
+print()
+print("| users | job | pool | reason | requests |")
+print("|---:|---|---|---|---:|")
+for u in users:
+    delta = counts(out / f"decisions-after-{u}.txt") - counts(out / f"decisions-before-{u}.txt")
+    for (job, pool, reason), n in sorted(delta.items()):
+        print(f"| {u} | {job} | {pool} | {reason} | {n:.0f} |")
+EOF
