@@ -50,7 +50,8 @@ for u in "${users[@]}"; do
   specroute bench mixed --base-url $team/v1 "${common[@]}" --out "$out/team-alone-$u"
 done
 
-python3 - "$out" "${users[@]}" <<'EOF' | tee "$out/report.md"
+report=$out/report-$(IFS=-; echo "${users[*]}").md
+python3 - "$out" "${users[@]}" <<'EOF' | tee "$report"
 import json, re, sys
 from collections import Counter
 from pathlib import Path
