@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 from openai.types.chat import ChatCompletion
@@ -47,7 +48,7 @@ def test_memory_of_each_engine(real: RealCluster) -> None:
 
 
 def test_the_scraper_reads_the_real_engines(cluster: RealCluster) -> None:
-    seen: dict[str, float] = {}
+    seen: dict[str, Any] = {}
 
     def loaded() -> bool:
         engine = cluster.backend("fast")["engine"]
@@ -65,8 +66,10 @@ def test_the_scraper_reads_the_real_engines(cluster: RealCluster) -> None:
             what="specroute_engine_running_requests of fast-1 above 0",
         )
         assert (cluster.router_metric("specroute_engine_kv_cache_usage_ratio", **labels) or 0) > 0
+        assert cluster.router_metric("specroute_engine_waiting_requests", **labels) is not None
         assert cluster.router_metric("specroute_engine_scrape_stale", **labels) == 0
     assert 1 <= seen["running"] <= 4
+    assert seen["waiting"] is not None and 0 <= seen["waiting"] <= 4
     assert 0 < seen["kv_usage"] <= 1
     # ngram drafts on the looping random model are mostly right (about 60 %), never all wrong.
     assert 0 < seen["acceptance"] <= 1
