@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.scrape import engine_load, parse
 
@@ -74,6 +75,23 @@ def test_vllm_pages_use_the_current_kv_name() -> None:
         assert "vllm:kv_cache_usage_perc" in values
         assert "vllm:gpu_cache_usage_perc" not in values
         assert values["vllm:cache_config_info"] == [1.0]  # an info gauge: its facts are labels
+
+
+@pytest.mark.parametrize("name", [SPEC, NOSPEC])
+def test_vllm_states_its_capacity_in_cache_config_info_labels(name: str) -> None:
+    # What a capacity prior can read before any load (issue 11): the KV cache in tokens and the
+    # concurrency it holds at the longest context. The router's `parse` keeps values only, so
+    # the labels are read here as the exposition gives them.
+    [info] = [
+        sample.labels
+        for family in text_string_to_metric_families((FIXTURES / name).read_text())
+        for sample in family.samples
+        if sample.name == "vllm:cache_config_info"
+    ]
+    assert info["kv_cache_size_tokens"] == "4096"  # --kv-cache-memory-bytes 8M
+    assert info["kv_cache_memory_bytes"] == "8388608"
+    assert info["kv_cache_max_concurrency"] == "2.0"  # 4,096 / --max-model-len 2048
+    assert (info["block_size"], info["num_gpu_blocks"]) == ("128", "32")
 
 
 def test_sglang_two_ranks() -> None:
