@@ -44,12 +44,14 @@ def free_port() -> int:
         return port
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.2) -> None:
-    """Until `condition()` holds; AssertionError naming `what` after `timeout` seconds."""
+def wait_for(
+    condition: Callable[[], bool], timeout: float, what: str | Callable[[], str], interval: float = 0.2
+) -> None:
+    """Until `condition()` holds; AssertionError naming `what` (or what it returns then) after `timeout` s."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what}")
+            raise AssertionError(f"not within {timeout:g} s: {what if isinstance(what, str) else what()}")
         time.sleep(interval)
 
 
