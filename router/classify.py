@@ -39,12 +39,17 @@ class Classification:
 
 
 def client_id(api_key: str | None, user: str | None, address: str | None) -> str:
-    """Who a request belongs to, for the in-flight heuristic: API key, else `user`, else address."""
-    if api_key:
-        return f"key:{api_key}"
+    """Who a request belongs to, for the in-flight heuristic: the combination of what is present.
+
+    `api_key` is only an identity when it is one of the configured client keys (the caller passes
+    None otherwise: a placeholder such as "none" tells nobody apart). Users sharing one key are
+    told apart by the body's `user`; everyone behind one address, by their key or `user`.
+    """
+    parts = [f"key:{api_key}"] if api_key else []
     if user:
-        return f"user:{user}"
-    return f"addr:{address or 'unknown'}"
+        parts.append(f"user:{user}")
+    parts.append(f"addr:{address or 'unknown'}")
+    return " ".join(parts)
 
 
 class Classifier:

@@ -149,7 +149,7 @@ class Proxy:
             call.payload = payload = self._parse_json(call.body)
             user = _field(payload, "user", str)
             address = scope["client"][0] if scope.get("client") else None
-            call.client = client = client_id(api_key, user, address)
+            call.client = client = client_id(api_key if self._auth.required else None, user, address)
             self._clients.start(client)
             await self._clients.settle(client)
             facts = RequestFacts(

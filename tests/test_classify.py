@@ -93,8 +93,11 @@ def test_threshold_is_configurable() -> None:
 @pytest.mark.parametrize(
     ("key", "user", "address", "expected"),
     [
-        ("k1", "alice", "10.0.0.1", "key:k1"),
-        (None, "alice", "10.0.0.1", "user:alice"),
+        # Everything present counts: a key shared by a team, a `user` shared across machines
+        # and one address in front of everyone each tell users apart only together.
+        ("k1", "alice", "10.0.0.1", "key:k1 user:alice addr:10.0.0.1"),
+        ("k1", None, "10.0.0.1", "key:k1 addr:10.0.0.1"),
+        (None, "alice", "10.0.0.1", "user:alice addr:10.0.0.1"),
         (None, None, "10.0.0.1", "addr:10.0.0.1"),
         (None, None, None, "addr:unknown"),
     ],

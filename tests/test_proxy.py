@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -256,3 +257,41 @@ def test_access_log_escapes_control_characters(cluster: Cluster, caplog: pytest.
         [line] = _access_lines(caplog)
     assert "\t" not in line
     assert json.dumps("evil\tid=forged") in line
+
+
+async def _streams_at_once(base_url: str, key: str, users: list[str | None]) -> list[str]:
+    """One stream per entry at the same moment (a `user` each, or none); the job class of each."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
+
+    async def one(user: str | None) -> str:
+        extra = {"user": user} if user is not None else {}
+        raw = await client.chat.completions.with_raw_response.create(
+            model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=20, stream=True, **extra
+        )
+        async for _ in raw.parse():
+            pass
+        return raw.headers["x-job-type"]
+
+    try:
+        return await asyncio.gather(*(one(user) for user in users))
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_users_sharing_one_key_are_told_apart_by_user(
+    make_cluster: Any, monkeypatch: pytest.MonkeyPatch, configured: bool
+) -> None:
+    # The README's `api_key="none"` with no client keys configured, or one key a whole team shares.
+    auth = {}
+    if configured:
+        monkeypatch.setenv("SPECROUTE_TEST_CLIENT_KEYS", "team-key")
+        auth = {"auth": {"client_keys_env": "SPECROUTE_TEST_CLIENT_KEYS"}}
+    key = "team-key" if configured else "none"
+    with make_cluster(pools={"fast": {"backends": {"fast-1": {"max_concurrency": 64}}}}, **auth) as cluster:
+        cluster.fast.token_delay = 0.02  # long enough for all 16 to be in flight together
+        jobs = asyncio.run(_streams_at_once(cluster.base_url, key, [f"user-{n}" for n in range(16)]))
+        assert jobs == ["interactive"] * 16
+        # One job with 16 requests in flight under the same key and no `user` is a batch job.
+        jobs = asyncio.run(_streams_at_once(cluster.base_url, key, [None] * 16))
+        assert jobs.count("batch") >= 12, jobs

@@ -118,7 +118,8 @@ async def mixed(
 ) -> MixedResult:
     """Interactive users in a closed loop with think time, beside a batch job keeping N in flight.
 
-    Each interactive user has its own API key; the batch job has one key for all its requests.
+    Each interactive user sends its own `user`; the batch job has one API key for all its requests
+    and no `user`.
     By default nothing else tells the router which is which: it must find the batch job by its
     behaviour. `batch_header` adds `X-Job-Type: batch` to compare with a declared job.
     Requests start until `duration` (real time) has passed; the run ends when the last finishes.
@@ -134,7 +135,7 @@ async def mixed(
     )
 
     async def user(number: int) -> None:
-        job = Job(kind=kind, max_tokens=max_tokens, api_key=f"bench-user-{number}", label="interactive")
+        job = Job(kind=kind, max_tokens=max_tokens, user=f"bench-user-{number}", label="interactive")
         # Users start a little apart, as people do.
         await asyncio.sleep(number * think_time / max(1, interactive_users) / scale)
         while load.now() < duration:
