@@ -118,6 +118,9 @@ class Routing(_Model):
     kv_threshold: float = Field(default=0.9, gt=0, le=1)
     # Let batch work use the speculative pool's idle room when the standard pool is down or full.
     batch_may_use_speculative: bool = False
+    # The first-token wait interactive users should not exceed: interactive work goes where its
+    # first token is predicted within this, then where it streams fastest.
+    ttft_target: float = Field(default=3.0, gt=0)
 
 
 class Scrape(_Model):
@@ -125,6 +128,18 @@ class Scrape(_Model):
     interval: float = Field(default=1.0, gt=0)
     timeout: float = Field(default=0.5, gt=0)
     stale_after: float = Field(default=5.0, gt=0)
+    # The last speculative acceptance measured is used this long: an idle engine drafts nothing,
+    # so its newest scrapes have no figure of their own.
+    acceptance_max_age: float = Field(default=300.0, gt=0)
+
+
+class Learn(_Model):
+    # A learned speed counts only once it rests on this many answers and its 95 % confidence
+    # interval is within `max_interval` of it (a share); until then the prior decides.
+    min_samples: int = Field(default=8, ge=1)
+    max_interval: float = Field(default=0.1, gt=0)
+    # Old answers fade: their weight halves every this many seconds.
+    half_life: float = Field(default=600.0, gt=0)
 
 
 class Timeouts(_Model):
@@ -242,6 +257,7 @@ class Settings(BaseSettings):
     timeouts: Timeouts = Timeouts()
     health: Health = Health()
     scrape: Scrape = Scrape()
+    learn: Learn = Learn()
     retries: Retries = Retries()
     auth: Auth = Auth()
     shutdown: Shutdown = Shutdown()

@@ -1,10 +1,20 @@
 """Per-user speed against concurrency, learned online from what the router measures.
 
 Each finished stream gives one observation: the backend, the content kind, how many requests
-the backend was serving when it started, and the tokens per second its user saw after the
-first token. Observations go into a running mean per concurrency; a prediction between two
-observed concurrencies is interpolated, and beyond the last one the backend is assumed to give
-no more in total than it did there (speed × concurrency held level), which is cautious.
+the backend was serving when it started, the tokens per second its user saw after the first
+token, and how many tokens that was. Observations are kept per concurrency as a weighted mean
+and variance: weighted by tokens (a long answer measures the speed better than a short one),
+and fading with age (an observation's weight halves every `half_life` seconds of the clock).
+Answers shorter than `SHORT_ANSWER` tokens are kept apart: their speed is mostly the noise of
+their first steps, and they say little about the next long answer.
+
+A learned point is *trusted* only once it rests on `min_samples` answers and its 95 %
+confidence interval is within `max_interval` of its mean; untrusted points are not used, so
+one or two lucky or unlucky streams change nothing. A prediction between two trusted
+concurrencies is interpolated; beyond the last one the backend is assumed to give no more in
+total than it did there (speed × concurrency held level), which is cautious. Each prediction
+carries its interval, so the policy overrides its prior only on a difference that is larger
+than the noise (see `router.policy`).
 
 With speculation the speed also depends on how well the drafter is guessing. Each observation
 on a speculative backend carries the tokens a sequence gained per step at the time (from the
@@ -14,111 +24,210 @@ engine's counters); a prediction is scaled by the live figure over the learned o
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+import math
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from router.content import ContentKind
 
-_WEIGHT = 0.2  # weight of a new observation in a bin's running mean
 _MAX_CONCURRENCY = 512
+_Z95 = 1.96
+SHORT_ANSWER = 64  # tokens: shorter answers are learned apart from longer ones
+
+
+class Estimate(NamedTuple):
+    """A predicted per-user speed (tokens/s) with its 95 % interval."""
+
+    speed: float
+    low: float
+    high: float
+
+    def scaled(self, factor: float) -> Estimate:
+        return Estimate(self.speed * factor, self.low * factor, self.high * factor)
+
+
+@dataclass(frozen=True, slots=True)
+class Trust:
+    min_samples: int = 8
+    max_interval: float = 0.1
+    half_life: float = 600.0
 
 
 @dataclass(slots=True)
 class _Bin:
-    speed: float
-    gain: float | None  # tokens per step per sequence when observed (speculation), if known
-    samples: int = 1
+    """Weighted sums of the observations at one concurrency, all decayed to `at`."""
+
+    at: float
+    weight: float = 0.0
+    total: float = 0.0
+    squares: float = 0.0
+    weight_squared: float = 0.0  # for the effective number of samples under unequal weights
+    gain_weight: float = 0.0
+    gain_total: float = 0.0
+    samples: float = 0.0  # answers, fading like their weights
+
+    def decay(self, now: float, half_life: float) -> None:
+        factor = 0.5 ** (max(0.0, now - self.at) / half_life)
+        self.weight *= factor
+        self.total *= factor
+        self.squares *= factor
+        self.weight_squared *= factor * factor
+        self.gain_weight *= factor
+        self.gain_total *= factor
+        self.samples *= factor
+        self.at = max(self.at, now)
+
+    def add(self, speed: float, weight: float, gain: float | None) -> None:
+        self.weight += weight
+        self.total += weight * speed
+        self.squares += weight * speed * speed
+        self.weight_squared += weight * weight
+        if gain is not None:
+            self.gain_weight += weight
+            self.gain_total += weight * gain
+        self.samples += 1
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.weight if self.weight > 0 else 0.0
+
+    @property
+    def gain(self) -> float | None:
+        return self.gain_total / self.gain_weight if self.gain_weight > 0 else None
+
+    def half_width(self) -> float:
+        """Half the 95 % confidence interval of the mean."""
+        if self.weight <= 0 or self.samples < 2:
+            return math.inf
+        effective = self.weight * self.weight / self.weight_squared
+        variance = max(0.0, self.squares / self.weight - self.mean**2) * effective / max(1.0, effective - 1)
+        return _Z95 * math.sqrt(variance / effective)
+
+    def trusted(self, trust: Trust) -> bool:
+        return self.samples >= trust.min_samples and self.half_width() <= trust.max_interval * self.mean
 
 
 @dataclass(slots=True)
 class Curve:
-    """Observed per-user speed by concurrency, for one backend and content kind."""
+    """Observed per-user speed by concurrency, for one backend, content kind and answer length."""
 
+    trust: Trust = field(default_factory=Trust)
     bins: dict[int, _Bin] = field(default_factory=dict)
 
-    def observe(self, concurrency: int, speed: float, gain: float | None) -> None:
+    def observe(self, concurrency: int, speed: float, *, tokens: int, gain: float | None, now: float) -> None:
         concurrency = max(1, min(concurrency, _MAX_CONCURRENCY))
-        found = self.bins.get(concurrency)
-        if found is None:
-            self.bins[concurrency] = _Bin(speed, gain)
-            return
-        found.speed += _WEIGHT * (speed - found.speed)
-        if gain is not None:
-            found.gain = gain if found.gain is None else found.gain + _WEIGHT * (gain - found.gain)
-        found.samples += 1
+        found = self.bins.setdefault(concurrency, _Bin(now))
+        found.decay(now, self.trust.half_life)
+        found.add(speed, float(max(1, tokens)), gain)
 
-    def predict(self, concurrency: int, gain: float | None = None) -> float | None:
-        """Per-user tokens/s at `concurrency`, or None with nothing observed yet."""
-        if not self.bins:
+    def predict(self, concurrency: int, gain: float | None = None, *, now: float) -> Estimate | None:
+        """Per-user tokens/s at `concurrency`, or None with no trusted point yet."""
+        for each in self.bins.values():
+            each.decay(now, self.trust.half_life)
+        trusted = {level: b for level, b in self.bins.items() if b.trusted(self.trust)}
+        if not trusted:
             return None
-        levels = sorted(self.bins)
+        levels = sorted(trusted)
         at = bisect.bisect_left(levels, concurrency)
         if at < len(levels) and levels[at] == concurrency:
-            found = self.bins[concurrency]
-            speed = found.speed
+            found = trusted[concurrency]
+            estimate = _estimate(found)
         elif at == 0:
-            found = self.bins[levels[0]]
-            speed = found.speed  # fewer users than ever seen: at least as fast
+            found = trusted[levels[0]]
+            estimate = _estimate(found)  # fewer users than ever seen: at least as fast
         elif at == len(levels):
-            found = self.bins[levels[-1]]
-            speed = found.speed * levels[-1] / concurrency
+            found = trusted[levels[-1]]
+            estimate = _estimate(found).scaled(levels[-1] / concurrency)
         else:
             low, high = levels[at - 1], levels[at]
             share = (concurrency - low) / (high - low)
-            found = self.bins[low]
-            speed = self.bins[low].speed + share * (self.bins[high].speed - self.bins[low].speed)
-        if gain is not None and found.gain:
-            speed *= gain / found.gain
-        return speed
+            found = trusted[low]
+            below, above = _estimate(trusted[low]), _estimate(trusted[high])
+            estimate = Estimate(*(b + share * (a - b) for b, a in zip(below, above, strict=True)))
+        learned_gain = found.gain
+        if gain is not None and learned_gain:
+            estimate = estimate.scaled(gain / learned_gain)
+        return estimate
 
-    def points(self) -> Iterator[tuple[int, float, int]]:
+    def points(self) -> Iterator[tuple[int, float, float, bool]]:
+        """(concurrency, mean speed, answers (faded), trusted) for every concurrency observed."""
         for level in sorted(self.bins):
-            yield level, self.bins[level].speed, self.bins[level].samples
+            found = self.bins[level]
+            yield level, found.mean, found.samples, found.trusted(self.trust)
+
+
+def _estimate(found: _Bin) -> Estimate:
+    mean, half = found.mean, found.half_width()
+    return Estimate(mean, mean - half, mean + half)
 
 
 class SpeedModel:
-    """Curves for every backend and content kind."""
+    """Curves for every backend, content kind and answer length (short or long)."""
 
-    def __init__(self) -> None:
-        self._curves: dict[tuple[str, ContentKind], Curve] = {}
+    def __init__(self, trust: Trust | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.trust = trust or Trust()
+        self._clock = clock
+        self._curves: dict[tuple[str, ContentKind, bool], Curve] = {}
+
+    def configure(self, trust: Trust) -> None:
+        self.trust = trust
+        for curve in self._curves.values():
+            curve.trust = trust
 
     def observe(
-        self, backend: str, kind: ContentKind, *, concurrency: int, speed: float, gain: float | None = None
+        self,
+        backend: str,
+        kind: ContentKind,
+        *,
+        concurrency: int,
+        speed: float,
+        tokens: int,
+        gain: float | None = None,
     ) -> None:
-        self._curves.setdefault((backend, kind), Curve()).observe(concurrency, speed, gain)
+        short = tokens < SHORT_ANSWER
+        curve = self._curves.setdefault((backend, kind, short), Curve(self.trust))
+        curve.observe(concurrency, speed, tokens=tokens, gain=gain, now=self._clock())
 
     def forget(self, backend: str) -> None:
         """Drop what was learned of a backend (another engine now answers under its name)."""
         for key in [key for key in self._curves if key[0] == backend]:
             del self._curves[key]
 
-    def curve(self, backend: str, kind: ContentKind) -> Curve | None:
-        return self._curves.get((backend, kind))
+    def curve(self, backend: str, kind: ContentKind, *, short: bool = False) -> Curve | None:
+        return self._curves.get((backend, kind, short))
 
     def predict(
         self, backend: str, kind: ContentKind, concurrency: int, *, gain: float | None = None, fallback: bool = False
-    ) -> float | None:
-        """Predicted per-user speed; with `fallback`, the other content kind's curve stands in.
-
-        Without speculation the content barely matters, so a standard backend that has only
-        served prose still predicts well for code.
-        """
-        curve = self._curves.get((backend, kind))
-        if curve is None and fallback:
-            curve = self._curves.get((backend, "code" if kind == "prose" else "prose"))
-        return curve.predict(concurrency, gain) if curve is not None else None
+    ) -> Estimate | None:
+        """Predicted per-user speed from trusted points: long answers' if there are any, else
+        short ones'. With `fallback`, the other content kind's curves stand in: without
+        speculation the content barely matters, so a standard backend that has only served
+        prose still predicts well for code."""
+        kinds: list[ContentKind] = [kind]
+        if fallback:
+            kinds.append("code" if kind == "prose" else "prose")
+        for each in kinds:
+            for short in (False, True):
+                curve = self._curves.get((backend, each, short))
+                estimate = curve.predict(concurrency, gain, now=self._clock()) if curve is not None else None
+                if estimate is not None:
+                    return estimate
+        return None
 
 
 def crossover(
     speeds: SpeedModel, speculative: str, standard: list[str], kind: ContentKind, *, limit: int = 64
 ) -> int | None:
     """The first concurrency at which `speculative` is predicted slower per user than the best
-    standard backend at the same concurrency; None until both have been observed."""
+    standard backend at the same concurrency, beyond the noise of both; None until both have
+    trusted points."""
     for level in range(1, limit + 1):
         fast = speeds.predict(speculative, kind, level)
         slow = [s for name in standard if (s := speeds.predict(name, kind, level, fallback=True)) is not None]
         if fast is None or not slow:
             return None
-        if fast < max(slow):
+        if fast.high < max(s.low for s in slow):
             return level
     return limit

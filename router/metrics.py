@@ -57,6 +57,7 @@ class Metrics:
         stale_after: float,
         build: BuildInfo,
         known_models: Callable[[], Set[str]] = frozenset,
+        acceptance_max_age: float = 300.0,
     ) -> None:
         """`known_models()`: the model names that may be a label value (the catalog's and the
         configured ones), read at each request's end."""
@@ -89,7 +90,7 @@ class Metrics:
         )
         self.ttft = Histogram(
             "specroute_time_to_first_token_seconds",
-            "From arrival at the router to the first chunk carrying generated content.",
+            "From arrival at the router to the first chunk carrying generated content (recorded as it arrives).",
             request_labels,
             buckets=TTFT_BUCKETS,
             registry=registry,
@@ -144,11 +145,12 @@ class Metrics:
             ["result"],
             registry=registry,
         )
-        self._live = _LiveState(pools, speeds, stale_after)
+        self._live = _LiveState(pools, speeds, stale_after, acceptance_max_age)
         registry.register(self._live)
 
-    def configure(self, *, stale_after: float) -> None:
+    def configure(self, *, stale_after: float, acceptance_max_age: float) -> None:
         self._live.stale_after = stale_after
+        self._live.acceptance_max_age = acceptance_max_age
 
     def model(self, name: str | None) -> str:
         """The `model` label for a requested model name: bounded, whatever the client sends."""
@@ -161,10 +163,11 @@ class Metrics:
 
 
 class _LiveState(Collector):
-    def __init__(self, pools: Pools, speeds: SpeedModel, stale_after: float) -> None:
+    def __init__(self, pools: Pools, speeds: SpeedModel, stale_after: float, acceptance_max_age: float) -> None:
         self._pools = pools
         self._speeds = speeds
         self.stale_after = stale_after
+        self.acceptance_max_age = acceptance_max_age
 
     def collect(self) -> Iterable[Metric]:
         labels = ["pool", "backend"]
@@ -184,10 +187,19 @@ class _LiveState(Collector):
         waiting = gauge("specroute_engine_waiting_requests", "Requests waiting inside the engine (scraped).")
         kv = gauge("specroute_engine_kv_cache_usage_ratio", "KV cache in use, 0 to 1, as the engine reports.")
         acceptance = gauge(
-            "specroute_engine_spec_acceptance_ratio", "Accepted / drafted speculative tokens over the last scrape."
+            "specroute_engine_spec_acceptance_ratio",
+            "Accepted / drafted speculative tokens, as last measured (kept up to scrape.acceptance_max_age).",
         )
         accept_length = gauge(
-            "specroute_engine_spec_accept_length", "Tokens a sequence gains per step with speculation."
+            "specroute_engine_spec_accept_length",
+            "Tokens a sequence gains per step with speculation, as last measured.",
+        )
+        acceptance_age = gauge(
+            "specroute_engine_spec_acceptance_age_seconds", "Age of the last acceptance measured (engines that draft)."
+        )
+        oldest_waiting = gauge(
+            "specroute_oldest_waiting_first_token_seconds",
+            "How long the oldest stream sent to the backend has waited for its first token (0: none waits).",
         )
         stale = gauge("specroute_engine_scrape_stale", "1 if the engine's metrics are too old to use.")
         learned = gauge(
@@ -204,6 +216,14 @@ class _LiveState(Collector):
                 in_flight.add_metric(key, backend.in_flight)
                 healthy.add_metric(key, float(backend.healthy))
                 draining.add_metric(key, float(backend.draining))
+                oldest_waiting.add_metric(key, backend.oldest_waiting_first_token(now))
+                if backend.acceptance is not None:
+                    ratio, length, measured = backend.acceptance
+                    acceptance_age.add_metric(key, now - measured)
+                    if now - measured <= self.acceptance_max_age:
+                        acceptance.add_metric(key, ratio)
+                        if length is not None:
+                            accept_length.add_metric(key, length)
                 if pool.speculative:
                     for kind in kinds:
                         level = crossover(self._speeds, backend.name, standard, kind)
@@ -218,8 +238,6 @@ class _LiveState(Collector):
                     (running, engine.running),
                     (waiting, engine.waiting),
                     (kv, engine.kv_usage),
-                    (acceptance, engine.acceptance),
-                    (accept_length, engine.accept_length),
                 ):
                     if value is not None:
                         family.add_metric(key, value)
@@ -235,6 +253,8 @@ class _LiveState(Collector):
             kv,
             acceptance,
             accept_length,
+            acceptance_age,
             stale,
             learned,
+            oldest_waiting,
         )

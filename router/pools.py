@@ -42,13 +42,20 @@ class Backend:
         self.healthy = True
         self.draining = False  # set by an operator: no new work, running requests finish
         self.engine = EngineLoad()  # the latest scrape of its /metrics
-        self.kv_per_request = 0.0  # KV usage per running request, as last seen
+        self.scrape_stale = False  # its readings went stale (logged once; fresh again logs again)
+        self._kv_per_request: float | None = None  # KV usage per running request, as last seen
+        # What the engine states of its capacity (vLLM's cache_config_info): requests that fit.
+        self.stated_concurrency: float | None = None
+        # The last speculative acceptance measured: (acceptance, accept length, when), monotonic.
+        self.acceptance: tuple[float, float | None, float] | None = None
         self._probes_failed = self._probes_passed = 0  # in a row
         self._requests_failed = 0  # in a row
         self.ejections = 0  # in a row, without a success between
         self.ejected_for = 0.0  # seconds, the latest ejection
         self.ejected_until = 0.0
         self.recent_ttft: deque[float] = deque(maxlen=256)
+        # Streams sent here that have no first token yet: a token of each -> when it was sent.
+        self._awaiting_first: dict[object, float] = {}
 
     def configure(self, config: BackendConfig) -> None:
         """A reloaded configuration for the same backend (same name and URL)."""
@@ -60,9 +67,19 @@ class Backend:
         """Whether new work may go here: healthy and not being drained."""
         return self.healthy and not self.draining
 
+    @property
+    def kv_per_request(self) -> float:
+        """KV usage one request takes: as last seen with requests running; before that, the prior
+        of the capacity the engine states and the configured `max_concurrency`, whichever is less.
+        So a burst on a router that has not yet seen the engine loaded still projects it full."""
+        if self._kv_per_request is not None:
+            return self._kv_per_request
+        slots = min(self.max_concurrency, self.stated_concurrency or math.inf)
+        return 1.0 / max(1.0, slots)
+
     def kv_projected(self, now: float, stale_after: float) -> float | None:
         """The engine's KV usage once one more request is sent: the last reading, plus what each
-        request sent since (and the next one) will take, at the usage per running request last seen.
+        request sent since (and the next one) will take, at the usage per running request.
 
         A reading lags by a scrape; users arriving faster than that would otherwise overfill a
         speculative engine's cache before the router sees it fill.
@@ -74,11 +91,32 @@ class Backend:
         return engine.kv_usage + self.kv_per_request * (sent_since + 1)
 
     def observe(self, engine: EngineLoad) -> None:
-        """A new reading of the engine's own metrics; the KV per request is kept from the last
-        reading that had requests running, so an idle engine still has an estimate."""
+        """A new reading of the engine's own metrics. The KV per request is kept from the last
+        reading that had requests running, and the acceptance from the last that had drafts, so
+        an idle engine still has both."""
         self.engine = engine
         if engine.running and engine.kv_usage is not None:
-            self.kv_per_request = engine.kv_usage / engine.running
+            self._kv_per_request = engine.kv_usage / engine.running
+        if engine.max_concurrency:
+            self.stated_concurrency = engine.max_concurrency
+        if engine.acceptance is not None:
+            self.acceptance = (engine.acceptance, engine.accept_length, engine.scraped_at)
+
+    def accept_length(self, now: float, max_age: float) -> float | None:
+        """Tokens a sequence gains per step, as last measured, if not older than `max_age`."""
+        if self.acceptance is None or now - self.acceptance[2] > max_age:
+            return None
+        return self.acceptance[1]
+
+    def has_engine_room(self, now: float, stale_after: float, kv_threshold: float) -> bool:
+        """Whether the engine's last fresh reading shows a free slot and KV headroom for one more.
+        Requests it reports waiting meanwhile are passing through, not a queue."""
+        engine = self.engine
+        if not engine.fresh(now, stale_after):
+            return False
+        if engine.running is not None and engine.running >= self.max_concurrency:
+            return False
+        return engine.kv_usage is None or engine.kv_usage + self.kv_per_request < kv_threshold
 
     def concurrency(self, now: float, stale_after: float) -> int:
         """Requests on the engine: what it reported, plus what this router sent it since.
@@ -91,6 +129,42 @@ class Backend:
             return self.in_flight
         reported = engine.running + (engine.waiting or 0)
         return max(self.in_flight, round(reported) + max(0, self.in_flight - engine.own_in_flight))
+
+    def await_first_token(self, token: object, now: float) -> None:
+        self._awaiting_first[token] = now
+
+    def first_token(self, token: object, ttft: float) -> None:
+        """A stream's first token arrived (`ttft` seconds after it reached the router)."""
+        if self._awaiting_first.pop(token, None) is not None:
+            self.recent_ttft.append(ttft)
+
+    def forget_first_token(self, token: object) -> None:
+        self._awaiting_first.pop(token, None)
+
+    def oldest_waiting_first_token(self, now: float) -> float:
+        """Seconds the oldest stream sent here has waited without a first token (0: none waits)."""
+        return now - min(self._awaiting_first.values()) if self._awaiting_first else 0.0
+
+    def predicted_ttft(self, now: float, *, queued: int, kv_threshold: float, stale_after: float, mean: float) -> float:
+        """The first-token wait of one more request here, predicted.
+
+        The recent first tokens (median of the last few) and the oldest stream still waiting for
+        one are what it takes now; if the request would wait for a slot (the engine has requests
+        waiting, no KV headroom or no free slot, or the router's queue is not empty), one running
+        request must finish per request ahead of it, at the mean request duration over the
+        requests running.
+        """
+        recent = sorted(list(self.recent_ttft)[-8:])
+        base = max(recent[len(recent) // 2] if recent else 0.0, self.oldest_waiting_first_token(now))
+        engine = self.engine
+        fresh = engine.fresh(now, stale_after)
+        waiting = (engine.waiting or 0) if fresh else 0
+        slots_full = self.in_flight >= self.max_concurrency
+        no_room = fresh and not self.has_engine_room(now, stale_after, kv_threshold)
+        if not (waiting or queued or slots_full or no_room):
+            return base
+        running = max(1.0, float(self.in_flight), (engine.running or 0.0) if fresh else 0.0)
+        return base + (waiting + queued + 1) * mean / running
 
     @property
     def load(self) -> float:
@@ -170,7 +244,7 @@ class Pool:
             "interactive": deque(),
             "batch": deque(),
         }
-        self._mean_duration = 10.0
+        self.mean_duration = 10.0  # seconds a request takes here, a running mean
 
     def queued(self, job: JobClass | None = None) -> int:
         if job is not None:
@@ -231,7 +305,7 @@ class Pool:
     def release(self, backend: Backend, *, duration: float | None = None) -> None:
         backend.in_flight -= 1
         if duration is not None:
-            self._mean_duration += _EWMA * (duration - self._mean_duration)
+            self.mean_duration += _EWMA * (duration - self.mean_duration)
         self.wake()
 
     def wake(self) -> None:
@@ -264,7 +338,7 @@ class Pool:
 
     def _retry_after(self) -> int:
         capacity = sum(b.max_concurrency for b in self.backends if b.accepting) or 1
-        wait = self._mean_duration * (self.queued() + 1) / capacity
+        wait = self.mean_duration * (self.queued() + 1) / capacity
         return max(1, min(60, math.ceil(wait)))
 
 
@@ -328,29 +402,48 @@ class Pools:
         for pool in self:
             yield from pool.backends
 
-    def snapshot(self, speeds: SpeedModel, *, stale_after: float) -> dict[str, PoolState]:
+    def snapshot(self, speeds: SpeedModel, settings: Settings, *, now: float | None = None) -> dict[str, PoolState]:
         """The live state of every pool, as the policy sees it."""
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
+        stale_after = settings.scrape.stale_after
+        kv_threshold = settings.routing.kv_threshold
         states = {}
         for pool in self:
             accepting = [b for b in pool.backends if b.accepting]
-            fresh = [b.engine for b in accepting if b.engine.fresh(now, stale_after)]
-            projected = [kv for b in accepting if (kv := b.kv_projected(now, stale_after)) is not None]
             if not accepting:
                 draining = any(b.healthy and b.draining for b in pool.backends)
                 states[pool.name] = PoolState(pool.speculative, healthy=False, draining=draining)
                 continue
+            projected = [kv for b in accepting if (kv := b.kv_projected(now, stale_after)) is not None]
+            # Requests waiting inside an engine count as a queue only on two scrapes running and
+            # while the engine shows no room of its own: one noisy reading moves nobody.
+            queued = sum(
+                b.engine.queued or 0
+                for b in accepting
+                if b.engine.fresh(now, stale_after) and not b.has_engine_room(now, stale_after, kv_threshold)
+            )
             load = {b.name: b.concurrency(now, stale_after) for b in accepting}
             best = min(accepting, key=lambda b: (load[b.name] / b.max_concurrency, b.name))
             concurrency = load[best.name]
-            gain = best.engine.accept_length if best.engine.fresh(now, stale_after) else None
+            gain = best.accept_length(now, settings.scrape.acceptance_max_age)
             kinds: tuple[ContentKind, ...] = ("prose", "code")
+            ttft = min(
+                b.predicted_ttft(
+                    now,
+                    queued=pool.queued(),
+                    kv_threshold=kv_threshold,
+                    stale_after=stale_after,
+                    mean=pool.mean_duration,
+                )
+                for b in accepting
+            )
             states[pool.name] = PoolState(
                 speculative=pool.speculative,
                 concurrency=concurrency,
                 has_room=not pool.queued() and any(b.has_room for b in accepting),
-                engine_queued=sum(e.queued or 0 for e in fresh),
+                engine_queued=queued,
                 kv_usage=min(projected, default=None),  # the emptiest backend is where it would go
+                ttft=ttft,
                 speed={
                     kind: speeds.predict(best.name, kind, concurrency + 1, gain=gain, fallback=not pool.speculative)
                     for kind in kinds

@@ -162,7 +162,7 @@ class Proxy:
                 client_load=self._clients.load(client) - 1,  # the others, not this one
             )
             classification = self._classifier.classify(facts)
-            state = self._pools.snapshot(self._speeds, stale_after=self._settings.scrape.stale_after)
+            state = self._pools.snapshot(self._speeds, self._settings)
             call.decision = decision = self._policy.decide(classification, self._content(payload), state)
             self._metrics.decisions.labels(decision.job, decision.pool, decision.reason, decision.content).inc()
             if classification.rewrite_model is not None:
@@ -302,6 +302,8 @@ class Proxy:
         call.attempts += 1
         tried.add(backend.name)
         call.backend = backend
+        if call.payload.get("stream") is True:
+            backend.await_first_token(id(call), time.monotonic())  # shows in the live view while it waits
         call.concurrency = backend.concurrency(time.monotonic(), self._settings.scrape.stale_after)
         self._retrying += retry
         try:
@@ -309,6 +311,7 @@ class Proxy:
             await self._forward(send, call, backend, body, drop_usage_chunk, may_retry=may_retry)
         finally:
             self._retrying -= retry
+            backend.forget_first_token(id(call))
             pool.release(backend, duration=time.perf_counter() - call.started)
 
     async def _forward(
@@ -420,7 +423,7 @@ class Proxy:
             async for chunk in response.iter_raw():
                 out = watch.feed(chunk)
                 if watch.saw_content and call.ttft is None:
-                    call.ttft = time.perf_counter() - call.started
+                    self._first_token(call)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             tail = watch.flush()
@@ -433,6 +436,15 @@ class Proxy:
         call.tokens = watch.completion_tokens
         call.prompt_tokens = sse.prompt_tokens(watch.usage)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def _first_token(self, call: Call) -> None:
+        # Recorded when it arrives, not when the request ends: a queue shows while it builds.
+        assert call.backend is not None and call.decision is not None
+        call.ttft = time.perf_counter() - call.started
+        model = self._metrics.model(_field(call.payload, "model", str))
+        labels = (call.decision.pool, call.backend.name, call.decision.job, model)
+        self._metrics.ttft.labels(*labels).observe(call.ttft)
+        call.backend.first_token(id(call), call.ttft)
 
     def _upstream_failure(self, backend: Backend, exc: TransportError) -> tuple[UpstreamError, str]:
         """The one place where the transport's exceptions become the router's: (error, kind)."""
@@ -451,14 +463,13 @@ class Proxy:
 
     def _learn(self, backend: Backend, call: Call, speed: float) -> None:
         assert call.decision is not None
-        engine = backend.engine
-        fresh = engine.fresh(time.monotonic(), self._settings.scrape.stale_after)
         self._speeds.observe(
             backend.name,
             call.decision.content,
             concurrency=call.concurrency,
             speed=speed,
-            gain=engine.accept_length if fresh else None,
+            tokens=call.tokens or 0,
+            gain=backend.accept_length(time.monotonic(), self._settings.scrape.acceptance_max_age),
         )
 
     def _route_headers(self, call: Call) -> dict[str, str]:
@@ -482,9 +493,6 @@ class Proxy:
         self._metrics.requests.labels(*labels, str(call.status), call.code or "").inc()
         self._metrics.duration.labels(*labels).observe(duration)
         if backend is not None:
-            if call.ttft is not None:
-                self._metrics.ttft.labels(*labels).observe(call.ttft)
-                backend.recent_ttft.append(call.ttft)
             if call.tokens:
                 self._metrics.completion_tokens.labels(pool, name, model).inc(call.tokens)
                 if call.ttft is not None and call.tokens > 1 and call.status < 400:

@@ -19,7 +19,7 @@ from router.auth import Auth
 from router.config import ConfigError, Settings, masked
 from router.errors import BadRequest, Conflict, NotFound
 from router.health import HealthChecker
-from router.learn import SpeedModel
+from router.learn import SpeedModel, Trust
 from router.metrics import Metrics
 from router.models import ModelCatalog
 from router.pools import Backend, Clients, Pools
@@ -58,7 +58,7 @@ class Router:
         self._load = load  # where a reload reads the settings from; None: nowhere
         self.shutting_down = False
         self.pools = Pools(settings)
-        self.speeds = SpeedModel()
+        self.speeds = SpeedModel(_trust(settings))
         self.metrics = Metrics(
             registry if registry is not None else CollectorRegistry(),
             self.pools,
@@ -66,6 +66,7 @@ class Router:
             stale_after=settings.scrape.stale_after,
             build=self.build,
             known_models=self.known_models,
+            acceptance_max_age=settings.scrape.acceptance_max_age,
         )
         self.upstream = UpstreamPool(
             connect_timeout=settings.timeouts.connect,
@@ -93,7 +94,11 @@ class Router:
         )
         self.health = HealthChecker(self.pools, self.upstream, settings.health)
         self.scraper = EngineScraper(
-            self.pools, self.upstream, interval=settings.scrape.interval, timeout=settings.scrape.timeout
+            self.pools,
+            self.upstream,
+            interval=settings.scrape.interval,
+            timeout=settings.scrape.timeout,
+            stale_after=settings.scrape.stale_after,
         )
 
     def known_models(self) -> frozenset[str]:
@@ -144,11 +149,15 @@ class Router:
         self.upstream.read_timeout = settings.timeouts.read
         self.upstream.idle_timeout = settings.timeouts.idle
         self.upstream.max_idle = _max_concurrency(self.pools)
-        self.metrics.configure(stale_after=settings.scrape.stale_after)
+        self.metrics.configure(
+            stale_after=settings.scrape.stale_after, acceptance_max_age=settings.scrape.acceptance_max_age
+        )
         self.catalog.configure(ttl=settings.models_cache_seconds, timeout=settings.health.timeout)
         self.health.config = settings.health
         self.scraper.interval = settings.scrape.interval
         self.scraper.timeout = settings.scrape.timeout
+        self.scraper.stale_after = settings.scrape.stale_after
+        self.speeds.configure(_trust(settings))
         self.settings = settings
         return {"changed": changed, "needs_restart": [key for key in changed if key.startswith(_NEEDS_RESTART)]}
 
@@ -177,6 +186,11 @@ class Router:
         grace = self.settings.shutdown.grace_seconds
         logger.info("shutting down: running requests have %g s to finish", grace)
         asyncio.get_running_loop().call_later(grace, self.proxy.end_all)
+
+
+def _trust(settings: Settings) -> Trust:
+    learn = settings.learn
+    return Trust(min_samples=learn.min_samples, max_interval=learn.max_interval, half_life=learn.half_life)
 
 
 def _max_concurrency(pools: Pools) -> int:

@@ -13,6 +13,11 @@ vLLM and SGLang name these differently; both are read:
 | waiting | `vllm:num_requests_waiting` | `sglang:num_queue_reqs` |
 | KV usage (0..1) | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `sglang:token_usage` |
 | speculation | `vllm:spec_decode_num_{accepted_tokens,draft_tokens,drafts}_total` | `sglang:spec_accept_*` |
+| stated capacity | `vllm:cache_config_info{kv_cache_max_concurrency}` | (none) |
+
+The stated capacity (requests of full length that the KV cache holds; else `num_gpu_blocks` ×
+`block_size` ÷ `max_model_len` from the same labels) is the router's prior for the KV a request
+takes, until it has seen the engine loaded.
 
 An engine with several ranks (data parallel) exports a series per rank: counts are summed,
 the KV usage is the highest, and the speculation figures are averaged.
@@ -21,7 +26,9 @@ the KV usage is the highest, and the speculation figures are averaged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -42,6 +49,9 @@ _DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 _DRAFTS = "vllm:spec_decode_num_drafts_total"
 _ACCEPT_LENGTH = "sglang:spec_accept_length"
 _ACCEPT_RATE = "sglang:spec_accept_rate"
+_CACHE_INFO = "vllm:cache_config_info"
+
+logger = logging.getLogger("specroute.backends")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +67,8 @@ class EngineLoad:
     acceptance: float | None = None  # accepted ÷ drafted tokens since the previous scrape
     accept_length: float | None = None  # tokens a sequence gains per step (1 + accepted per draft)
     draft_tokens: float | None = None  # guessed tokens per step and sequence (k)
+    # Requests the engine states its KV cache holds at full length (vLLM's cache_config_info).
+    max_concurrency: float | None = None
     scraped_at: float = 0.0  # monotonic seconds; 0 = never
     # This router's requests that the reading surely counts: those sent before the scrape was
     # asked for and still running when it came back (one sent meanwhile may not have reached it).
@@ -67,12 +79,32 @@ class EngineLoad:
 
 
 def parse(text: str) -> dict[str, list[float]]:
-    """Every sample of a Prometheus exposition by sample name, one value per label set."""
+    """Every sample of a Prometheus exposition by sample name, one value per label set.
+
+    The labels of vLLM's `cache_config_info` (its stated capacity) are kept as the values of
+    `vllm:cache_config_info:<label>`, for the ones that are numbers.
+    """
     samples: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples.setdefault(sample.name, []).append(sample.value)
+            if sample.name == _CACHE_INFO:
+                for label, value in sample.labels.items():
+                    with contextlib.suppress(ValueError):
+                        samples.setdefault(f"{_CACHE_INFO}:{label}", []).append(float(value))
     return samples
+
+
+def _stated_concurrency(values: Mapping[str, list[float]]) -> float | None:
+    """Requests the engine's KV cache holds at full length, as the engine states it."""
+    stated = values.get(f"{_CACHE_INFO}:kv_cache_max_concurrency")
+    if stated:
+        return sum(stated)  # one series per data-parallel rank, each with its own cache
+    blocks, size = values.get(f"{_CACHE_INFO}:num_gpu_blocks"), values.get(f"{_CACHE_INFO}:block_size")
+    length = values.get(f"{_CACHE_INFO}:max_model_len")
+    if blocks and size and length and length[0] > 0:
+        return sum(blocks) * size[0] / length[0]
+    return None
 
 
 def _first(
@@ -113,16 +145,20 @@ def engine_load(
         acceptance=acceptance,
         accept_length=accept_length,
         draft_tokens=draft_tokens,
+        max_concurrency=_stated_concurrency(values),
         scraped_at=now,
     )
 
 
 class EngineScraper:
-    def __init__(self, pools: Pools, upstream: UpstreamPool, *, interval: float, timeout: float) -> None:
+    def __init__(
+        self, pools: Pools, upstream: UpstreamPool, *, interval: float, timeout: float, stale_after: float
+    ) -> None:
         self._pools = pools
         self._upstream = upstream
-        self.interval = interval  # both replaced on a reload
+        self.interval = interval  # all three replaced on a reload
         self.timeout = timeout
+        self.stale_after = stale_after
         self._previous: dict[str, dict[str, list[float]]] = {}
 
     async def run(self) -> None:
@@ -139,10 +175,27 @@ class EngineScraper:
             async with asyncio.timeout(self.timeout):
                 status, body = await self._upstream.get(backend.url + "/metrics", headers=backend.auth_headers)
             if status != 200:
-                return
+                raise ValueError(f"/metrics answered {status}")
             values = parse(body.decode("utf-8", "replace"))
-        except (TransportError, TimeoutError, ValueError):
-            return  # the last load stays, and goes stale
+        except (TransportError, TimeoutError, ValueError) as exc:
+            # The last load stays, and goes stale.
+            now = time.monotonic()
+            if (
+                not backend.scrape_stale
+                and backend.engine.scraped_at
+                and not backend.engine.fresh(now, self.stale_after)
+            ):
+                backend.scrape_stale = True
+                logger.warning(
+                    "backend %s: engine readings stale (no good scrape for %.1f s: %s)",
+                    backend.name,
+                    now - backend.engine.scraped_at,
+                    str(exc) or type(exc).__name__,
+                )
+            return
         load = engine_load(values, self._previous.get(backend.name), time.monotonic())
         backend.observe(dataclasses.replace(load, own_in_flight=min(sent_before, backend.in_flight)))
         self._previous[backend.name] = values
+        if backend.scrape_stale:
+            backend.scrape_stale = False
+            logger.info("backend %s: engine readings fresh again", backend.name)

@@ -24,6 +24,7 @@ def status(settings: Settings, pools: Pools, speeds: SpeedModel) -> dict[str, An
             "batch_pool": settings.pool_for("batch"),
             "crossover": settings.routing.crossover,
             "kv_threshold": settings.routing.kv_threshold,
+            "ttft_target": settings.routing.ttft_target,
         },
         "pools": {
             pool.name: {
@@ -45,13 +46,15 @@ def _backend(
     backend: Backend, speeds: SpeedModel, standard: list[str] | None, now: float, settings: Settings
 ) -> dict[str, Any]:
     engine = backend.engine
+    acceptance = backend.acceptance
     ttfts = sorted(backend.recent_ttft)
     curves = {}
     for kind in _KINDS:
         curve = speeds.curve(backend.name, kind)
         if curve is not None:
             curves[kind] = [
-                {"concurrency": c, "tokens_per_second": round(speed, 2), "samples": n} for c, speed, n in curve.points()
+                {"concurrency": c, "tokens_per_second": round(speed, 2), "samples": round(n, 2), "trusted": trusted}
+                for c, speed, n, trusted in curve.points()
             ]
     view: dict[str, Any] = {
         "healthy": backend.healthy,
@@ -65,9 +68,15 @@ def _backend(
             "running": engine.running,
             "waiting": engine.waiting,
             "kv_usage": engine.kv_usage,
-            "acceptance": engine.acceptance,
-            "accept_length": engine.accept_length,
+            # The last measured, kept while an idle engine drafts nothing (used for routing up to
+            # scrape.acceptance_max_age).
+            "acceptance": acceptance[0] if acceptance else None,
+            "accept_length": acceptance[1] if acceptance else None,
+            "acceptance_age_seconds": round(now - acceptance[2], 3) if acceptance else None,
+            "stated_max_concurrency": backend.stated_concurrency,
+            "kv_per_request": round(backend.kv_per_request, 6),
         },
+        "oldest_waiting_first_token_seconds": round(backend.oldest_waiting_first_token(now), 3),
         "ttft_seconds": {
             "p50": statistics.median(ttfts) if ttfts else None,
             "p95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))] if ttfts else None,

@@ -42,6 +42,8 @@ class FakeEngine:
     die_after: int | None = None  # drop the connection after this many streamed tokens
     stall_after: int | None = None  # go silent after this many streamed tokens
     script: list[bytes] | None = None  # stream exactly these pieces, each its own write
+    metrics: str | None = None  # what GET /metrics answers (None: 404, as an engine without it)
+    metrics_served: int = 0
 
     def wait_idle(self, timeout: float = 1.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -58,6 +60,7 @@ class FakeEngine:
                 Route("/v1/responses", self._responses, methods=["POST"]),
                 Route("/v1/models", self._models),
                 Route("/health", self._health),
+                Route("/metrics", self._metrics),
             ]
         )
 
@@ -71,6 +74,12 @@ class FakeEngine:
 
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200 if self.healthy else 503)
+
+    async def _metrics(self, request: Request) -> Response:
+        if self.metrics is None:
+            return Response(status_code=404)
+        self.metrics_served += 1
+        return Response(self.metrics, media_type="text/plain; version=0.0.4")
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse(

@@ -8,6 +8,7 @@ import pytest
 
 from router.classify import Classification
 from router.config import Routing
+from router.learn import Estimate
 from router.policy import Decision, Policy, PoolState
 
 INTERACTIVE = Classification("interactive", "default")
@@ -58,17 +59,25 @@ def test_interactive_in_crossover_mode(fast: PoolState, team: PoolState, content
     assert (decision.pool, decision.reason, decision.content) == (pool, reason, content)
 
 
+def speed(value: float, margin: float = 0.0) -> Estimate:
+    return Estimate(value, value - margin, value + margin)
+
+
 @pytest.mark.parametrize(
     ("fast_speed", "team_speed", "pool", "reason"),
     [
-        (40.0, 30.0, "fast", "default"),
-        (20.0, 30.0, "team", "spill:faster-on-standard"),
+        (speed(40.0), speed(30.0), "fast", "default"),
+        (speed(20.0), speed(30.0), "team", "spill:faster-on-standard"),
         # Not learned yet for one side: fall back to the crossover rule (concurrency 5 > 4).
-        (None, 30.0, "team", "spill:past-crossover"),
+        (None, speed(30.0), "team", "spill:past-crossover"),
+        # Learned, but the difference is within the noise: the crossover rule decides.
+        (speed(28.0, 3.0), speed(30.0, 3.0), "team", "spill:past-crossover"),
+        # ...and a learned difference beyond the noise overrides it.
+        (speed(40.0, 3.0), speed(30.0, 3.0), "fast", "default"),
     ],
 )
 def test_interactive_in_adaptive_mode_follows_predicted_speed(
-    fast_speed: float | None, team_speed: float | None, pool: str, reason: str
+    fast_speed: Estimate | None, team_speed: Estimate | None, pool: str, reason: str
 ) -> None:
     fast = spec(concurrency=5, speed={"prose": fast_speed})
     team = std(concurrency=5, speed={"prose": team_speed})
@@ -77,9 +86,50 @@ def test_interactive_in_adaptive_mode_follows_predicted_speed(
 
 
 def test_adaptive_mode_still_never_sends_where_it_would_queue() -> None:
-    fast = spec(engine_queued=2, speed={"prose": 90.0})
-    team = std(concurrency=100, speed={"prose": 4.0})
+    fast = spec(engine_queued=2, speed={"prose": speed(90.0)})
+    team = std(concurrency=100, speed={"prose": speed(4.0)})
     assert _decide(INTERACTIVE, fast, team, mode="adaptive").reason == "spill:spec-queueing"
+
+
+# Interactive work is placed on predicted first token (target 3 s) and speed together.
+@pytest.mark.parametrize("mode", ["crossover", "adaptive"])
+@pytest.mark.parametrize(
+    ("fast", "team", "pool", "reason"),
+    [
+        # On real engines: `team` KV 0.97 with requests waiting, `fast` 4 of 8 slots busy, the
+        # standard pool learned faster per user: its queue costs more than speed gains. Stay.
+        (
+            spec(concurrency=4, kv_usage=0.5, ttft=0.1, speed={"prose": speed(14.0, 1)}),
+            std(concurrency=9, kv_usage=0.97, engine_queued=3, ttft=1.8, speed={"prose": speed(40.0, 1)}),
+            "fast",
+            "default",
+        ),
+        # The standard pool is past the KV threshold (no requests waiting yet): it queues. Stay.
+        (spec(concurrency=6, ttft=0.1), std(kv_usage=0.95, ttft=0.2, speed={"prose": speed(40.0)}), "fast", "default"),
+        # The router's own queue for the standard pool is not empty: it queues. Stay.
+        (spec(concurrency=6, ttft=0.1), std(has_room=False), "fast", "default"),
+        # The standard pool keeps its first tokens past the target: stay, however fast it streams.
+        (spec(concurrency=6, ttft=0.1), std(ttft=4.5, speed={"prose": speed(40.0)}), "fast", "default"),
+        # Both would make it wait: the one whose first token comes sooner.
+        (spec(kv_usage=0.95, ttft=20.0), std(engine_queued=2, kv_usage=0.95, ttft=2.0), "team", "spill:spec-kv-full"),
+        (spec(kv_usage=0.95, ttft=1.0), std(engine_queued=2, kv_usage=0.95, ttft=9.0), "fast", "default"),
+        # Nothing to go on for the standard pool's wait while it queues: not sooner, stay.
+        (spec(engine_queued=1, ttft=5.0), std(engine_queued=4), "fast", "default"),
+        # The speculative pool waits and the standard one does not: spill, as before.
+        (spec(engine_queued=1, ttft=5.0), std(concurrency=96, ttft=2.0), "team", "spill:spec-queueing"),
+    ],
+)
+def test_interactive_goes_where_the_first_token_comes_within_target(
+    mode: str, fast: PoolState, team: PoolState, pool: str, reason: str
+) -> None:
+    decision = _decide(INTERACTIVE, fast, team, mode=mode)
+    assert (decision.pool, decision.reason) == (pool, reason)
+
+
+def test_the_first_token_target_is_a_setting() -> None:
+    fast, team = spec(concurrency=6, ttft=0.1), std(ttft=4.5)
+    assert _decide(INTERACTIVE, fast, team, mode="crossover").pool == "fast"
+    assert _decide(INTERACTIVE, fast, team, mode="crossover", ttft_target=5.0).reason == "spill:past-crossover"
 
 
 @pytest.mark.parametrize(

@@ -264,13 +264,16 @@ async def _streams_at_once(base_url: str, key: str, users: list[str | None]) -> 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
 
     async def one(user: str | None) -> str:
-        extra = {"user": user} if user is not None else {}
         raw = await client.chat.completions.with_raw_response.create(
-            model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=20, stream=True, **extra
+            model="test-model",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=20,
+            stream=True,
+            extra_body={"user": user} if user is not None else None,
         )
         async for _ in raw.parse():
             pass
-        return raw.headers["x-job-type"]
+        return str(raw.headers["x-job-type"])
 
     try:
         return await asyncio.gather(*(one(user) for user in users))

@@ -135,8 +135,11 @@ def test_scraper_reads_a_simulated_engine_over_http() -> None:
 
         async def scenario() -> None:
             upstream = UpstreamPool(connect_timeout=1, read_timeout=5)
-            scraper = EngineScraper(pools, upstream, interval=0.05, timeout=1)
+            scraper = EngineScraper(pools, upstream, interval=0.05, timeout=1, stale_after=5)
             await scraper.scrape_all()
+            # The engine states its capacity before any load: 2,097,152 tokens of KV cache, each
+            # request reserving its default answer (2,048) and the profile's overhead (86,933).
+            assert pools["fast"].backends[0].stated_concurrency == pytest.approx(23.57, abs=0.01)
             body = json.dumps(
                 {"model": fast.model, "prompt": "def f(x):\n    return x", "max_tokens": 512, "ignore_eos": True}
             ).encode()
@@ -181,7 +184,7 @@ def test_a_request_sent_while_a_scrape_is_out_counts_on_top_of_its_reading() -> 
 
         async def scenario() -> int:
             upstream = UpstreamPool(connect_timeout=1, read_timeout=5)
-            scraper = EngineScraper(pools, upstream, interval=1, timeout=5)
+            scraper = EngineScraper(pools, upstream, interval=1, timeout=5, stale_after=5)
             scrape = asyncio.create_task(scraper.scrape_all())
             await asyncio.to_thread(asked.wait, 5)
             backend = await pool.acquire("interactive")  # sent while the engine renders its reading
@@ -191,3 +194,26 @@ def test_a_request_sent_while_a_scrape_is_out_counts_on_top_of_its_reading() -> 
             return backend.concurrency(time.monotonic(), stale_after=5)
 
         assert asyncio.run(scenario()) == 4
+
+
+# vLLM 0.32.0 (CPU build), `--kv-cache-memory-bytes 8M`, as its /metrics wrote it (labels trimmed).
+VLLM_CACHE_CONFIG = """\
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0",\
+gpu_memory_utilization="0.92",kv_cache_max_concurrency="2.0",kv_cache_memory_bytes="8388608",\
+kv_cache_size_tokens="4096",num_cpu_blocks="None",num_gpu_blocks="32",sliding_window="None"} 1.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
+"""
+
+
+def test_the_capacity_an_engine_states_is_read_from_cache_config_info() -> None:
+    load = engine_load(parse(VLLM_CACHE_CONFIG), None, now=1.0)
+    assert load.max_concurrency == 2.0
+    # Without the stated concurrency: blocks x block size over the longest request.
+    without = VLLM_CACHE_CONFIG.replace('kv_cache_max_concurrency="2.0",', 'max_model_len="2048",')
+    assert engine_load(parse(without), None, now=1.0).max_concurrency == 2.0
+    assert engine_load(parse(_vllm(1, 1, 1)), None, now=1.0).max_concurrency is None
+    assert engine_load(parse(SGLANG), None, now=1.0).max_concurrency is None  # SGLang states none

@@ -48,6 +48,9 @@ def add_parser(commands: Any) -> None:
         parser.add_argument("--duration", type=float, default=300, help="seconds (real time) to keep starting")
         parser.add_argument("--think", type=float, default=5, help="an interactive user's think time, seconds")
         parser.add_argument("--batch-header", action="store_true", help="the batch job sends X-Job-Type: batch")
+        parser.add_argument(
+            "--together", action="store_true", help="interactive users arrive at the same moment (default: apart)"
+        )
 
     def users(value: str) -> list[int]:
         return [int(v) for v in value.split(",") if v]
@@ -145,6 +148,7 @@ def _mixed_scenario(
             kind=args.kind,
             max_tokens=args.max_tokens,
             batch_header=args.batch_header,
+            together=args.together,
             progress=progress,
         )
 

@@ -156,7 +156,8 @@ def spill_table(points: Sequence[Mapping[str, Any]], modes: Sequence[str], args:
     header = ["users", *(f"routed ({m})" for m in modes), *references, "adaptive vs the better", "worst TTFT"]
     lines = [
         f"## spill: interactive users beside a {args.batch}-request batch job ({args.kind}, "
-        f"{args.max_tokens}-token answers, {args.duration:g} s a point)\n",
+        f"{args.max_tokens}-token answers, {args.duration:g} s a point"
+        f"{', users arriving together' if getattr(args, 'together', False) else ''})\n",
         "Median per-user tok/s of the interactive users; in brackets, how many of their requests the "
         "speculative pool served.\n",
         "| " + " | ".join(header) + " |",

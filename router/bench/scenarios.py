@@ -114,6 +114,7 @@ async def mixed(
     kind: ContentKind = "prose",
     max_tokens: int = 512,
     batch_header: bool = False,
+    together: bool = False,
     progress: Progress | None = None,
 ) -> MixedResult:
     """Interactive users in a closed loop with think time, beside a batch job keeping N in flight.
@@ -122,6 +123,8 @@ async def mixed(
     and no `user`.
     By default nothing else tells the router which is which: it must find the batch job by its
     behaviour. `batch_header` adds `X-Job-Type: batch` to compare with a declared job.
+    Users start a little apart, as people do; with `together`, all at the same moment (a class
+    starting a lab, a demo), which is the hardest start for a router that has not seen load yet.
     Requests start until `duration` (real time) has passed; the run ends when the last finishes.
     """
     load = Load(target, max_connections=interactive_users + batch_in_flight + 8)
@@ -136,8 +139,8 @@ async def mixed(
 
     async def user(number: int) -> None:
         job = Job(kind=kind, max_tokens=max_tokens, user=f"bench-user-{number}", label="interactive")
-        # Users start a little apart, as people do.
-        await asyncio.sleep(number * think_time / max(1, interactive_users) / scale)
+        if not together:
+            await asyncio.sleep(number * think_time / max(1, interactive_users) / scale)
         while load.now() < duration:
             await load.request(job)
             await asyncio.sleep(think_time / scale)

@@ -63,12 +63,20 @@ def cluster_settings(
     """Router settings for pools given as name -> (speculative, engine URLs).
 
     The router's clocks follow the simulation's: scraping every simulated second, health checks
-    every five, a client remembered for a simulated minute. At 5x a one-second wall-clock scrape
+    every five, a client remembered for a simulated minute, the first-token target, the age of
+    learned speeds and of the last acceptance measured. At 5x a one-second wall-clock scrape
     would be five simulated seconds old, and the router would see the engines late.
     """
     data: dict[str, Any] = {
         "listen": {"host": host, "port": port},
-        "scrape": {"interval": 1.0 / time_scale, "timeout": 0.5, "stale_after": max(1.0, 5.0 / time_scale)},
+        "scrape": {
+            "interval": 1.0 / time_scale,
+            "timeout": 0.5,
+            "stale_after": max(1.0, 5.0 / time_scale),
+            "acceptance_max_age": 300.0 / time_scale,
+        },
+        "routing": {"ttft_target": 3.0 / time_scale},
+        "learn": {"half_life": 600.0 / time_scale},
         "health": {"interval": 5.0 / time_scale},
         "classify": {"client_memory_seconds": 60.0 / time_scale, "burst_hold_seconds": 0.02 / time_scale},
         "pools": {

@@ -331,6 +331,7 @@ class _EngineStats(Collector):
             "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", counters.spec_accepted_tokens
         )
         yield counter("vllm:request_success", "Count of successfully processed requests.", counters.finished)
+        yield self._cache_config()
         histogram = _histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -343,6 +344,26 @@ class _EngineStats(Collector):
         yield GaugeMetricFamily(
             "specroute_sim_lag_seconds", "How far the simulation runs behind its time scale.", value=self._runner.lag
         )
+
+    def _cache_config(self) -> Metric:
+        """vLLM's `cache_config_info`: the KV cache's size, and how many requests it holds. vLLM
+        states that for requests of `max_model_len`; the simulated engine reserves a request's
+        prompt, its answer and the profile's overhead, so it states it for an answer of its
+        default length."""
+        profile = self._runner.engine.profile
+        block = 16
+        holds = profile.kv_cache_tokens / (profile.kv_overhead_tokens + profile.default_max_tokens)
+        labels = {
+            "block_size": str(block),
+            "num_gpu_blocks": str(profile.kv_cache_tokens // block),
+            "kv_cache_size_tokens": str(profile.kv_cache_tokens),
+            "kv_cache_max_concurrency": f"{holds:.2f}",
+        }
+        family = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(labels)
+        )
+        family.add_metric(list(labels.values()), 1.0)
+        return family
 
 
 def _histogram(name: str, doc: str, model: str, counts: list[int], total: float, n: int) -> Metric:

@@ -1,0 +1,166 @@
+"""The live view is live: first tokens recorded as they arrive, the oldest stream still waiting
+for one, the last acceptance kept with its age, backend state changes in the log."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from router.config import Settings
+from router.learn import SpeedModel
+from router.pools import Pools
+from router.scrape import EngineLoad
+from tests.conftest import Cluster
+
+TTFT = "specroute_time_to_first_token_seconds_count"
+OLDEST = "specroute_oldest_waiting_first_token_seconds"
+
+
+def _until(condition: Callable[[], Any], timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := condition()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value
+
+
+def _stream_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "stream": True, **extra}
+
+
+def test_first_token_time_is_recorded_when_the_first_token_arrives(cluster: Cluster) -> None:
+    cluster.fast.stall_after = 1  # one token, then silence: the request is far from finished
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream("POST", cluster.base_url + "/chat/completions", json=_stream_body(max_tokens=5)) as response,
+    ):
+        lines = response.iter_lines()  # kept: a dropped iterator would close the stream
+        for line in lines:
+            if '"content"' in line:
+                break
+        assert _until(lambda: cluster.metric(TTFT, pool="fast", backend="fast-1") == 1)
+        assert cluster.fast.open == 1  # ...while the request is still being served
+        status = httpx.get(cluster.router.url + "/router/status").json()
+        assert status["pools"]["fast"]["backends"]["fast-1"]["ttft_seconds"]["samples"] == 1
+    assert cluster.fast.wait_idle(2)
+
+
+def test_the_oldest_stream_waiting_for_its_first_token_shows_while_it_waits(cluster: Cluster) -> None:
+    cluster.fast.first_token_delay = 30  # a queue inside the engine, as the router sees it
+
+    def status() -> dict[str, Any]:
+        backends = httpx.get(cluster.router.url + "/router/status").json()["pools"]["fast"]["backends"]
+        view: dict[str, Any] = backends["fast-1"]
+        return view
+
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream("POST", cluster.base_url + "/chat/completions", json=_stream_body(max_tokens=2)) as response,
+    ):
+        assert response.status_code == 200
+        assert _until(lambda: cluster.metric(OLDEST, pool="fast", backend="fast-1") > 0.05)
+        assert _until(lambda: status()["oldest_waiting_first_token_seconds"] > 0.05)
+        assert cluster.metric(OLDEST, pool="team", backend="team-1") == 0
+    # The client left: nothing waits any more.
+    assert _until(lambda: cluster.metric(OLDEST, pool="fast", backend="fast-1") == 0)
+    assert status()["oldest_waiting_first_token_seconds"] == 0
+    assert cluster.settled_metric("specroute_in_flight_requests", 0, pool="fast", backend="fast-1") == 0
+
+
+def _spec_counters(drafts: int, accepted: int) -> str:
+    lines = [
+        f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {drafts}',
+        f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {drafts * 3}',
+        f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}',
+        'vllm:num_requests_running{model_name="m"} 0',
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.0',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_last_acceptance_is_kept_with_its_age_while_the_engine_idles(make_cluster: Any) -> None:
+    with make_cluster(scrape={"interval": 0.02, "stale_after": 1}) as cluster:
+        engine = cluster.fast
+        engine.metrics = _spec_counters(100, 150)
+        assert _until(lambda: engine.metrics_served >= 2)
+        engine.metrics = _spec_counters(200, 390)  # 240 of the 300 drafted tokens accepted
+        seen = engine.metrics_served
+        assert _until(lambda: engine.metrics_served >= seen + 2)
+        # Idle from here on: nothing drafted, so no new reading of acceptance.
+        seen = engine.metrics_served
+        assert _until(lambda: engine.metrics_served >= seen + 3)
+        view = httpx.get(cluster.router.url + "/router/status").json()["pools"]["fast"]["backends"]["fast-1"]
+        assert view["engine"]["acceptance"] == pytest.approx(0.8)
+        assert view["engine"]["accept_length"] == pytest.approx(1 + 240 / 100)
+        assert view["engine"]["acceptance_age_seconds"] > 0
+        labels = {"pool": "fast", "backend": "fast-1"}
+        assert cluster.metric("specroute_engine_spec_acceptance_ratio", **labels) == pytest.approx(0.8)
+        assert cluster.metric("specroute_engine_spec_acceptance_age_seconds", **labels) > 0
+
+
+def test_acceptance_is_used_until_older_than_its_max_age() -> None:
+    settings = Settings.model_validate(
+        {
+            "pools": {"fast": {"speculative": True, "backends": {"f1": {"url": "http://127.0.0.1:1"}}}},
+            "scrape": {"acceptance_max_age": 300},
+        }
+    )
+    backend = Pools(settings)["fast"].backends[0]
+    backend.observe(EngineLoad(acceptance=0.8, accept_length=3.4, scraped_at=100.0))
+    backend.observe(EngineLoad(running=0, scraped_at=101.0))  # idle: nothing drafted
+    assert backend.accept_length(now=399.0, max_age=300) == 3.4
+    assert backend.accept_length(now=401.0, max_age=300) is None
+
+
+def _settings() -> Settings:
+    pools = {
+        "fast": {"speculative": True, "backends": {"f1": {"url": "http://127.0.0.1:1", "max_concurrency": 8}}},
+        "team": {"speculative": False, "backends": {"t1": {"url": "http://127.0.0.1:2"}}},
+    }
+    return Settings.model_validate({"pools": pools})
+
+
+@pytest.mark.parametrize(("kv", "queue"), [(0.3, 0), (0.95, 2)])
+def test_requests_waiting_count_as_a_queue_only_while_the_engine_has_no_room(kv: float, queue: float) -> None:
+    """At 16 users, requests seen waiting at one instant spilled while the engine had free slots
+    and KV headroom; they were on their way in, not queueing."""
+    settings = _settings()
+    pools = Pools(settings)
+    pools["fast"].backends[0].observe(EngineLoad(running=4, waiting=2, queued=2, kv_usage=kv, scraped_at=100.0))
+    state = pools.snapshot(SpeedModel(), settings, now=100.5)
+    assert state["fast"].engine_queued == queue
+
+
+def test_backend_state_changes_are_logged_with_the_reason(make_cluster: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="specroute")
+    health = {"interval": 0.02, "unhealthy_after": 1, "healthy_after": 1, "eject_after": 2, "ejection_seconds": 0.2}
+    with make_cluster(health=health, scrape={"interval": 0.02, "stale_after": 0.2}) as cluster:
+        backend = cluster.app.state.router.pools["fast"].backends[0]
+
+        def logged(text: str) -> bool:
+            return any(text in r.getMessage() and r.name.startswith("specroute") for r in caplog.records)
+
+        cluster.fast.healthy = False
+        assert _until(lambda: logged("fast-1: unhealthy (1 health checks failed in a row)"))
+        assert any(r.levelno == logging.WARNING for r in caplog.records if "unhealthy" in r.getMessage())
+        cluster.fast.healthy = True
+        assert _until(lambda: logged("fast-1: healthy again"))
+
+        cluster.fast.fail_status = 503
+        for _ in range(2):
+            httpx.post(cluster.base_url + "/chat/completions", json=_stream_body(), headers={"x-route-pool": "fast"})
+        assert _until(lambda: logged("fast-1: ejected for 0.2 s after 2 requests failed in a row"))
+        cluster.fast.fail_status = None
+        assert _until(lambda: logged("fast-1: returned after its 0.2 s ejection"))
+        assert backend.healthy
+
+        cluster.fast.metrics = _spec_counters(1, 1)
+        assert _until(lambda: backend.engine.scraped_at > 0)
+        cluster.fast.metrics = None  # /metrics now answers 404
+        assert _until(lambda: logged("fast-1: engine readings stale"))
+        cluster.fast.metrics = _spec_counters(1, 1)
+        assert _until(lambda: logged("fast-1: engine readings fresh again"))
