@@ -82,11 +82,16 @@ class Backend:
         request sent since (and the next one) will take, at the usage per running request.
 
         A reading lags by a scrape; users arriving faster than that would otherwise overfill a
-        speculative engine's cache before the router sees it fill.
+        speculative engine's cache before the router sees it fill. Without a fresh reading, the
+        router's own requests at that usage each.
         """
         engine = self.engine
-        if not engine.fresh(now, stale_after) or engine.kv_usage is None:
-            return None
+        if engine.kv_usage is None:
+            return None  # the engine says nothing of its KV cache
+        if not engine.fresh(now, stale_after):
+            # Scrapes are failing (the engine, or this router, too busy to answer in time): what
+            # this router's own requests take, so that missed scrapes do not open the gate.
+            return self.kv_per_request * (self.in_flight + 1)
         sent_since = max(0, self.in_flight - engine.own_in_flight)
         return engine.kv_usage + self.kv_per_request * (sent_since + 1)
 

@@ -164,3 +164,20 @@ def test_backend_state_changes_are_logged_with_the_reason(make_cluster: Any, cap
         assert _until(lambda: logged("fast-1: engine readings stale"))
         cluster.fast.metrics = _spec_counters(1, 1)
         assert _until(lambda: logged("fast-1: engine readings fresh again"))
+
+
+def test_missed_scrapes_do_not_open_the_gate_to_a_full_speculative_engine() -> None:
+    """Scrapes that time out (a busy machine) leave no fresh reading: the KV the router's own
+    requests take still says the speculative engine is full."""
+    settings = _settings()
+    pools = Pools(settings)
+    backend = pools["fast"].backends[0]
+    backend.observe(EngineLoad(running=7, waiting=0, queued=0, kv_usage=0.7, scraped_at=100.0, own_in_flight=7))
+    backend.in_flight = 7
+    fresh = pools.snapshot(SpeedModel(), settings, now=100.5)["fast"].kv_usage
+    assert fresh == pytest.approx(0.8)
+    later = pools.snapshot(SpeedModel(), settings, now=100.0 + settings.scrape.stale_after + 1)
+    assert later["fast"].kv_usage == pytest.approx(0.8)  # stale: 7 of its own and the next, at 0.1
+    backend.in_flight = 9
+    later = pools.snapshot(SpeedModel(), settings, now=100.0 + settings.scrape.stale_after + 1)
+    assert later["fast"].kv_usage == pytest.approx(1.0)
