@@ -187,8 +187,9 @@ class EngineScraper:
             ):
                 backend.scrape_stale = True
                 logger.warning(
-                    "backend %s: engine readings stale (no good scrape for %.1f s: %s)",
+                    "backend %s (pool %s) engine readings stale (no good scrape for %.1f s: %s)",
                     backend.name,
+                    backend.pool,
                     now - backend.engine.scraped_at,
                     str(exc) or type(exc).__name__,
                 )
@@ -198,4 +199,4 @@ class EngineScraper:
         self._previous[backend.name] = values
         if backend.scrape_stale:
             backend.scrape_stale = False
-            logger.info("backend %s: engine readings fresh again", backend.name)
+            logger.info("backend %s (pool %s) engine readings fresh again", backend.name, backend.pool)
