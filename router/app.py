@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
@@ -14,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from router.admin import admin_routes
+from router.batch.service import BatchService
 from router.config import Settings
 from router.errors import MethodNotAllowed, NotFound, RouterError
 from router.headers import bearer
@@ -26,9 +28,12 @@ def create_app(
     *,
     registry: CollectorRegistry | None = None,
     load: Callable[[], Settings] | None = None,
+    clock: Callable[[], float] = time.time,
 ) -> Starlette:
-    """`load` reads the settings again for a reload (SIGHUP, /admin/reload); None: no reloads."""
+    """`load` reads the settings again for a reload (SIGHUP, /admin/reload); None: no reloads.
+    `clock` is the wall clock of the Batch API's timestamps and expiry (tests move it)."""
     router = Router(settings, registry=registry, load=load)
+    batches = BatchService(router, clock=clock)
 
     async def healthz(request: Request) -> Response:
         # Also served at /health, the path vLLM and SGLang use, which load tools probe first.
@@ -51,7 +56,7 @@ def create_app(
         return JSONResponse({"object": "list", "data": await router.catalog.models()})
 
     async def router_status(request: Request) -> Response:
-        return JSONResponse(status(router.settings, router.pools, router.speeds))
+        return JSONResponse({**status(router.settings, router.pools, router.speeds), "batches": batches.status()})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -61,9 +66,11 @@ def create_app(
             asyncio.create_task(router.scraper.run()),
             asyncio.create_task(router.catalog.run()),  # the model names the metrics may use
         ]
+        await batches.start()
         try:
             yield
         finally:
+            await batches.stop()
             for task in tasks:
                 task.cancel()
             await router.upstream.aclose()
@@ -94,10 +101,12 @@ def create_app(
             Route("/v1/models", models),
             Route("/router/status", router_status),
             *admin_routes(router),
+            *batches.routes(),  # before the catch-all: /v1/files and /v1/batches are the router's own
             Route("/v1/{path:path}", router.proxy, methods=["POST"]),
         ],
         exception_handlers={HTTPException: http_error, RouterError: router_error},
         lifespan=lifespan,
     )
     app.state.router = router
+    app.state.batches = batches
     return app

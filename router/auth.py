@@ -12,6 +12,11 @@ import os
 from router.config import Auth as AuthConfig
 from router.errors import PermissionDenied, Unauthorized
 
+# A request the router makes to itself (a batch line) carries this key in its ASGI scope. A
+# server puts only the ASGI keys in a client's scope, so no client can claim it: such a request
+# is trusted — no client key is asked of it, and its override headers count.
+INTERNAL_SCOPE_KEY = "specroute.internal"
+
 
 def _keys(env: str | None) -> tuple[bytes, ...]:
     if not env:

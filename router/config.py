@@ -246,6 +246,35 @@ class MetricsConfig(_Model):
     models: list[str] = []
 
 
+class Batch(_Model):
+    """The Batch API (`/v1/files`, `/v1/batches`): where its state lives and how hard it may push."""
+
+    # SQLite database (WAL) holding the files, batches and every line's result; relative to the
+    # working directory. Read once at start: changing it needs a restart.
+    store_dir: str = "specroute-batches"
+    # An uploaded file larger than this is refused (413 file_too_large); OpenAI allows 200 MB.
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1)
+    # Files kept in all (inputs, outputs, error files); an upload past it is refused (413 storage_full).
+    max_storage_bytes: int = Field(default=10 * 1024**3, ge=1)
+    # Requests in one input file; OpenAI allows 50,000.
+    max_lines: int = Field(default=50_000, ge=1)
+    # Lines in flight at most, whatever the pools have free.
+    max_concurrency: int = Field(default=64, ge=1)
+    # Slots of the batch pool that batch lines leave free, so that live requests never queue.
+    reserve_slots: int = Field(default=1, ge=0)
+    # How often the runner looks at the pools, adapts its concurrency and checks expiry.
+    poll_interval: float = Field(default=0.5, gt=0)
+    # Back off when the batch pool's recent first-token p50 exceeds this many times its lowest.
+    ttft_rise: float = Field(default=2.0, gt=1)
+    # A line taken by a router is its own for this long (renewed while it runs); a router that
+    # died leaves its lines to another (or to itself after a restart) once this has passed.
+    lease_seconds: float = Field(default=60.0, gt=0)
+    # A line whose request found no room (503), or failed upstream (502, 504), is tried again
+    # later, after `retry_backoff` seconds doubling each time, at most this many times in all.
+    max_attempts: int = Field(default=5, ge=1)
+    retry_backoff: float = Field(default=1.0, gt=0)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECROUTE_", env_nested_delimiter="__", extra="forbid", frozen=True)
 
@@ -265,6 +294,7 @@ class Settings(BaseSettings):
     tls: Tls = Tls()
     log: Log = Log()
     metrics: MetricsConfig = MetricsConfig()
+    batch: Batch = Batch()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     models_cache_seconds: float = Field(default=5.0, ge=0)
     # Pass the client's Authorization header upstream when the backend has no key of its own.

@@ -25,7 +25,7 @@ from starlette.types import Message, Receive, Scope, Send
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay
 
 from router import logs, sse
-from router.auth import Auth
+from router.auth import INTERNAL_SCOPE_KEY, Auth
 from router.classify import Classifier, RequestFacts, client_id
 from router.config import Settings
 from router.content import ContentKind, detect_kind, request_text
@@ -141,10 +141,11 @@ class Proxy:
         try:
             _check_path(call.path)
             api_key = bearer(headers.get("authorization"))
-            self._auth.check_client(api_key)  # before the body is read
-            for name in self._override_headers:
-                if name in headers and not self._auth.may_override(api_key, name):
-                    del headers[name]  # from this client it means nothing
+            if scope.get(INTERNAL_SCOPE_KEY) is not True:  # the router's own batch lines are trusted
+                self._auth.check_client(api_key)  # before the body is read
+                for name in self._override_headers:
+                    if name in headers and not self._auth.may_override(api_key, name):
+                        del headers[name]  # from this client it means nothing
             call.body = await self._read_body(headers, receive)
             call.payload = payload = self._parse_json(call.body)
             user = _field(payload, "user", str)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -77,9 +78,16 @@ def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextmanager
-def running_cluster(*, fast_backends: int = 1, config_file: Path | None = None, **overrides: Any) -> Iterator[Cluster]:
+def running_cluster(
+    *,
+    fast_backends: int = 1,
+    config_file: Path | None = None,
+    clock: Callable[[], float] = time.time,
+    **overrides: Any,
+) -> Iterator[Cluster]:
     """Fake engines and a router; `fast_backends` > 1 adds engines `fast-2`, ... to pool `fast`.
-    With `config_file`, the settings are written there as YAML and a reload reads that file."""
+    With `config_file`, the settings are written there as YAML and a reload reads that file.
+    `clock` is the router's wall clock for the Batch API (expiry tests move it)."""
     with ExitStack() as stack:
         fast, team = FakeEngine(), FakeEngine()
         fast_server = stack.enter_context(ServerThread(fast.app()))
@@ -90,14 +98,14 @@ def running_cluster(*, fast_backends: int = 1, config_file: Path | None = None, 
             for i, engine in enumerate(more)
         }
         registry = CollectorRegistry()
-        data = settings_data(
-            fast_server.url, team_server.url, **_merge({"pools": {"fast": {"backends": extra}}}, overrides)
-        )
+        store = stack.enter_context(tempfile.TemporaryDirectory(prefix="specroute-batches-"))
+        defaults = {"pools": {"fast": {"backends": extra}}, "batch": {"store_dir": store}}
+        data = settings_data(fast_server.url, team_server.url, **_merge(defaults, overrides))
         load = None
         if config_file is not None:
             config_file.write_text(yaml.safe_dump(data))
             load = partial(load_settings, config_file)
-        app = create_app(Settings(**data), registry=registry, load=load)
+        app = create_app(Settings(**data), registry=registry, load=load, clock=clock)
         router = stack.enter_context(ServerThread(app, fast=True))
         cluster = Cluster(fast, team, router, app, registry)
         cluster.more_fast = more

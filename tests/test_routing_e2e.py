@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ def _router(fast: str, team: str, **routing: Any) -> ServerThread:
         },
         "routing": routing,
         "scrape": {"interval": 0.05, "stale_after": 2},
+        "batch": {"store_dir": tempfile.mkdtemp(prefix="specroute-batches-")},
     }
     return ServerThread(create_app(Settings(**data), registry=CollectorRegistry()), fast=True)
 

@@ -1,0 +1,313 @@
+"""The Files and Batches endpoints, shaped as OpenAI's (`client.files.*`, `client.batches.*`).
+
+Every file and batch belongs to the client that created it: the SHA-256 of its API key (the
+key itself is never stored). With no client keys configured, the bearer token a client sends
+still names its space — a separation, not a security boundary — and a client that sends none
+is `anonymous`. Another client asking for it gets 404, as if it did not exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.types import Message, Receive
+
+from router.batch import files
+from router.batch.store import BatchRecord, FileRecord, StorageFull
+from router.errors import BadRequest, Conflict, NotFound, PayloadTooLarge
+from router.headers import bearer
+
+if TYPE_CHECKING:
+    from router.batch.service import BatchService
+
+_WINDOW_SECONDS = {"24h": 24 * 3600}
+_JSON_LIMIT = 1024 * 1024  # a create-batch body
+_MULTIPART_OVERHEAD = 64 * 1024  # boundaries, part headers and the purpose field around the file
+
+
+def batch_routes(service: BatchService) -> list[BaseRoute]:
+    """The routes, to be listed before the proxy's catch-all `POST /v1/{path}`."""
+    api = _Api(service)
+    return [
+        Route("/v1/files", api.upload, methods=["POST"]),
+        Route("/v1/files", api.list_files, methods=["GET"]),
+        Mount(
+            "/v1/files",
+            routes=[
+                Route("/{file_id}", api.get_file, methods=["GET"]),
+                Route("/{file_id}", api.delete_file, methods=["DELETE"]),
+                Route("/{file_id}/content", api.content, methods=["GET"]),
+            ],
+        ),
+        Route("/v1/batches", api.create, methods=["POST"]),
+        Route("/v1/batches", api.list_batches, methods=["GET"]),
+        Mount(
+            "/v1/batches",
+            routes=[
+                Route("/{batch_id}", api.get_batch, methods=["GET"]),
+                Route("/{batch_id}/cancel", api.cancel, methods=["POST"]),
+            ],
+        ),
+    ]
+
+
+class _Api:
+    def __init__(self, service: BatchService) -> None:
+        self._service = service
+
+    def _owner(self, request: Request) -> str:
+        key = bearer(request.headers.get("authorization"))
+        self._service.router.auth.check_client(key)
+        return "key:" + hashlib.sha256(key.encode()).hexdigest() if key else "anonymous"
+
+    # Files.
+
+    async def upload(self, request: Request) -> Response:
+        owner = self._owner(request)
+        config = self._service.config
+        limit = config.max_file_bytes
+        request = Request(request.scope, _limited(request, limit + _MULTIPART_OVERHEAD, code="file_too_large"))
+        try:
+            async with request.form(max_files=1, max_fields=4) as form:
+                upload, purpose = form.get("file"), form.get("purpose")
+                if not isinstance(upload, UploadFile):
+                    raise BadRequest("a multipart field 'file' is required", param="file", code="missing_file")
+                content = await upload.read()
+                filename = upload.filename or "upload.jsonl"
+        except HTTPException as exc:  # Starlette's answer to a malformed multipart body
+            raise BadRequest(f"malformed multipart body: {exc.detail}", code="invalid_multipart") from exc
+        if purpose != "batch":
+            raise BadRequest("purpose must be 'batch': this router keeps batch files only", param="purpose")
+        if len(content) > limit:
+            raise PayloadTooLarge(f"the file is over the {limit} byte limit", param="file", code="file_too_large")
+        await anyio.to_thread.run_sync(lambda: files.parse(content, max_lines=config.max_lines))
+        record = FileRecord(_new_id("file-"), owner, filename[:255], "batch", len(content), self._service.now())
+        try:
+            await anyio.to_thread.run_sync(
+                lambda: self._service.store.add_file(record, content, limit=config.max_storage_bytes)
+            )
+        except StorageFull as exc:
+            raise PayloadTooLarge(f"no room for the file: {exc}", param="file", code="storage_full") from exc
+        return JSONResponse(_file(record))
+
+    async def list_files(self, request: Request) -> Response:
+        owner = self._owner(request)
+        query = request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise BadRequest("order must be 'asc' or 'desc'", param="order")
+        limit = _limit(query.get("limit"), default=10_000, most=10_000)
+        found, more = await anyio.to_thread.run_sync(
+            lambda: self._service.store.list_files(
+                owner, purpose=query.get("purpose"), after=query.get("after"), limit=limit, newest_first=order == "desc"
+            )
+        )
+        return JSONResponse(_page([_file(record) for record in found], more))
+
+    async def _find_file(self, request: Request) -> tuple[str, FileRecord]:
+        owner = self._owner(request)
+        file_id = request.path_params["file_id"]
+        record = await anyio.to_thread.run_sync(self._service.store.get_file, owner, file_id)
+        if record is None:
+            raise NotFound(f"No such File object: {file_id}", param="file_id", code="file_not_found")
+        return owner, record
+
+    async def get_file(self, request: Request) -> Response:
+        _, record = await self._find_file(request)
+        return JSONResponse(_file(record))
+
+    async def content(self, request: Request) -> Response:
+        owner, record = await self._find_file(request)
+        data = await anyio.to_thread.run_sync(self._service.store.file_content, owner, record.id)
+        if data is None:  # deleted meanwhile
+            raise NotFound(f"No such File object: {record.id}", param="file_id", code="file_not_found")
+        return Response(data, media_type="application/jsonl")
+
+    async def delete_file(self, request: Request) -> Response:
+        owner, record = await self._find_file(request)
+        deleted = await anyio.to_thread.run_sync(self._service.store.delete_file, owner, record.id)
+        return JSONResponse({"id": record.id, "object": "file", "deleted": deleted})
+
+    # Batches.
+
+    async def create(self, request: Request) -> Response:
+        owner = self._owner(request)
+        raw = b"".join([chunk async for chunk in Request(request.scope, _limited(request, _JSON_LIMIT)).stream()])
+        try:
+            params = json.loads(raw)
+        except ValueError as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+        if not isinstance(params, dict):
+            raise BadRequest("request body must be a JSON object", code="invalid_json")
+        endpoint, window, file_id = params.get("endpoint"), params.get("completion_window"), params.get("input_file_id")
+        metadata = params.get("metadata")
+        if endpoint not in files.ENDPOINTS:
+            raise BadRequest(f"endpoint must be one of {', '.join(sorted(files.ENDPOINTS))}", param="endpoint")
+        if window not in _WINDOW_SECONDS:
+            raise BadRequest("completion_window must be '24h'", param="completion_window")
+        if not isinstance(file_id, str):
+            raise BadRequest("input_file_id is required", param="input_file_id")
+        if metadata is not None and not (
+            isinstance(metadata, dict)
+            and len(metadata) <= 16
+            and all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                for k, v in metadata.items()
+            )
+        ):
+            raise BadRequest("metadata: at most 16 string keys (64 chars) and values (512 chars)", param="metadata")
+        store, config = self._service.store, self._service.config
+        content = await anyio.to_thread.run_sync(store.file_content, owner, file_id)
+        if content is None:
+            raise NotFound(f"No such File object: {file_id}", param="input_file_id", code="file_not_found")
+        requests = await anyio.to_thread.run_sync(lambda: files.parse(content, max_lines=config.max_lines))
+        now = self._service.now()
+        errors = [
+            {
+                "code": "invalid_url",
+                "line": number,
+                "message": f"url {request.url!r} does not match the batch's endpoint {endpoint!r}",
+                "param": "url",
+            }
+            for number, request in enumerate(requests, start=1)
+            if request.url != endpoint
+        ][:100]
+        record = BatchRecord(
+            id=_new_id("batch_"),
+            owner=owner,
+            status="failed" if errors else "validating",
+            endpoint=endpoint,
+            input_file_id=file_id,
+            completion_window=window,
+            model=next((r.model for r in requests if r.model is not None), None),
+            metadata=metadata,
+            errors=errors or None,
+            created_at=now,
+            expires_at=now + _WINDOW_SECONDS[window],
+            failed_at=now if errors else None,
+            total=0 if errors else len(requests),
+        )
+        lines = [] if errors else [(r.custom_id, r.url, r.body) for r in requests]
+        await anyio.to_thread.run_sync(store.create_batch, record, lines)
+        self._service.runner.wake()
+        return JSONResponse(_batch(record))
+
+    async def list_batches(self, request: Request) -> Response:
+        owner = self._owner(request)
+        limit = _limit(request.query_params.get("limit"), default=20, most=100)
+        after = request.query_params.get("after")
+        found, more = await anyio.to_thread.run_sync(
+            lambda: self._service.store.list_batches(owner, after=after, limit=limit)
+        )
+        return JSONResponse(_page([_batch(record) for record in found], more))
+
+    async def _find_batch(self, request: Request) -> tuple[str, BatchRecord]:
+        owner = self._owner(request)
+        batch_id = request.path_params["batch_id"]
+        record = await anyio.to_thread.run_sync(self._service.store.get_batch, owner, batch_id)
+        if record is None:
+            raise NotFound(f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
+        return owner, record
+
+    async def get_batch(self, request: Request) -> Response:
+        _, record = await self._find_batch(request)
+        return JSONResponse(_batch(record))
+
+    async def cancel(self, request: Request) -> Response:
+        owner, record = await self._find_batch(request)
+        if record.status in ("cancelling", "cancelled"):
+            return JSONResponse(_batch(record))
+        if record.status not in ("validating", "in_progress"):
+            raise Conflict(f"a batch that is {record.status} cannot be cancelled", code="batch_not_cancellable")
+        cancelled = await anyio.to_thread.run_sync(self._service.store.cancel, owner, record.id, self._service.now())
+        self._service.runner.wake()
+        return JSONResponse(_batch(cancelled or record))
+
+
+def _limited(request: Request, limit: int, *, code: str = "body_too_large") -> Receive:
+    """The request's receive, refusing a body over `limit` bytes (declared or as it arrives)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body is over the {limit} byte limit", code=code)
+    received = 0
+
+    async def receive() -> Message:
+        nonlocal received
+        message = await request.receive()
+        received += len(message.get("body", b""))
+        if received > limit:
+            raise PayloadTooLarge(f"request body is over the {limit} byte limit", code=code)
+        return message
+
+    return receive
+
+
+def _limit(value: str | None, *, default: int, most: int) -> int:
+    if value is None:
+        return default
+    if not value.isdigit() or not 1 <= int(value) <= most:
+        raise BadRequest(f"limit must be an integer from 1 to {most}", param="limit")
+    return int(value)
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def _page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": more,
+    }
+
+
+def _file(record: FileRecord) -> dict[str, Any]:
+    return {
+        "id": record.id,
+        "object": "file",
+        "bytes": record.bytes,
+        "created_at": record.created_at,
+        "filename": record.filename,
+        "purpose": record.purpose,
+        "status": "processed",
+        "expires_at": None,
+        "status_details": None,
+    }
+
+
+def _batch(record: BatchRecord) -> dict[str, Any]:
+    return {
+        "id": record.id,
+        "object": "batch",
+        "endpoint": record.endpoint,
+        "model": record.model,
+        "errors": {"object": "list", "data": record.errors} if record.errors else None,
+        "input_file_id": record.input_file_id,
+        "completion_window": record.completion_window,
+        "status": record.status,
+        "output_file_id": record.output_file_id,
+        "error_file_id": record.error_file_id,
+        "created_at": record.created_at,
+        "in_progress_at": record.in_progress_at,
+        "expires_at": record.expires_at,
+        "finalizing_at": record.finalizing_at,
+        "completed_at": record.completed_at,
+        "failed_at": record.failed_at,
+        "expired_at": record.expired_at,
+        "cancelling_at": record.cancelling_at,
+        "cancelled_at": record.cancelled_at,
+        "request_counts": {"total": record.total, "completed": record.completed, "failed": record.failed},
+        "metadata": record.metadata,
+    }

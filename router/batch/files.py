@@ -1,0 +1,72 @@
+"""A batch input file, checked line by line: one request per line, as OpenAI's Batch API takes it.
+
+    {"custom_id": "r-1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+
+The first line that is wrong is named in the error (1-based, as an editor counts).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from router.errors import BadRequest
+
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    custom_id: str
+    url: str
+    body: str  # the request body, re-encoded compactly
+    model: str | None
+
+
+def parse(content: bytes, *, max_lines: int) -> list[Request]:
+    """The file's requests; BadRequest (`invalid_file`, naming the line) at the first bad one."""
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the file is not UTF-8 (byte {exc.start})", param="file", code="invalid_file") from exc
+    requests: list[Request] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue  # a trailing newline, or blank lines between requests
+        if len(requests) == max_lines:
+            raise _bad(number, f"the file has more than {max_lines} requests")
+        request = _request(number, raw)
+        if request.custom_id in seen:
+            raise _bad(number, f"custom_id {request.custom_id!r} is used more than once")
+        seen.add(request.custom_id)
+        requests.append(request)
+    if not requests:
+        raise BadRequest("the file has no requests", param="file", code="invalid_file")
+    return requests
+
+
+def _request(number: int, raw: str) -> Request:
+    try:
+        line = json.loads(raw)
+    except ValueError as exc:
+        raise _bad(number, f"not valid JSON: {exc}") from exc
+    if not isinstance(line, dict):
+        raise _bad(number, "must be a JSON object")
+    custom_id, method, url, body = (line.get(key) for key in ("custom_id", "method", "url", "body"))
+    if not isinstance(custom_id, str) or not custom_id:
+        raise _bad(number, "custom_id must be a non-empty string")
+    if method != "POST":
+        raise _bad(number, "method must be POST")
+    if url not in ENDPOINTS:
+        raise _bad(number, f"url must be one of {', '.join(sorted(ENDPOINTS))}")
+    if not isinstance(body, dict):
+        raise _bad(number, "body must be a JSON object")
+    if body.get("stream") is True:
+        raise _bad(number, "body.stream: a batch request is answered whole, not streamed")
+    model = body.get("model")
+    return Request(custom_id, url, json.dumps(body, separators=(",", ":")), model if isinstance(model, str) else None)
+
+
+def _bad(number: int, why: str) -> BadRequest:
+    return BadRequest(f"line {number}: {why}", param="file", code="invalid_file")

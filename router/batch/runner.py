@@ -1,0 +1,315 @@
+"""Runs the batches' lines in the throughput that live traffic leaves free.
+
+Each line is sent through the router's own request path — the proxy's ASGI app, called in
+process with a synthetic request that the router marks as its own (`INTERNAL_SCOPE_KEY`) and
+declares `batch` — so it is classified, admitted, queued, retried, measured and logged like any
+other request. The runner only decides how many lines run at once, and which:
+
+- A line starts only while the batch pool has more than `reserve_slots` free slots and nothing
+  waiting in its queue, so a live request never waits behind one; the speculative pool's idle
+  room is used only with `routing.batch_may_use_speculative`, when the batch pool has none.
+- On top of that, a limit adapts (AIMD): it doubles while nothing pushes back, then grows by one
+  a tick; it halves when the batch pool queues, its engines report waiting requests, or its
+  recent first-token p50 rises past `ttft_rise` times the lowest seen.
+- Batches take turns line by line (round robin), so a big batch does not hold back a small one.
+
+A line is recorded only once its result is committed (see store.py). A line in flight when the
+router dies is run again after the restart: at least once for that line, exactly once recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from anyio.abc import TaskGroup
+from starlette.types import Message
+
+from router.auth import INTERNAL_SCOPE_KEY
+from router.batch.metrics import BatchMetrics
+from router.batch.store import BatchRecord, Line, Store
+from router.config import Batch as BatchConfig
+from router.pools import Pool
+
+if TYPE_CHECKING:
+    from router.runtime import Router
+
+logger = logging.getLogger("specroute.batch")
+
+# Router answers that mean "not now": the line is tried again later rather than failed.
+_TRANSIENT = frozenset({429, 502, 503, 504})
+_CLAIM = 8  # lines taken from the store at once per batch
+_TTFT_SAMPLES = 32
+
+
+class Runner:
+    def __init__(self, router: Router, store: Store, metrics: BatchMetrics, *, clock: Callable[[], float]) -> None:
+        self._router = router
+        self._store = store
+        self._metrics = metrics
+        self._clock = clock
+        self.owner = uuid.uuid4().hex  # this router's name on the leases it takes
+        self.limit = 1  # lines allowed in flight, adapted each tick
+        self._slow_start = True
+        self.in_flight = 0
+        self._by_batch: dict[str, int] = {}  # lines in flight per batch
+        self._turns: deque[str] = deque()  # batches taking lines, in turn
+        self._waiting: dict[str, deque[Line]] = {}  # lines taken from the store, not yet started
+        self._dry: set[str] = set()  # batches with nothing to take until the next tick
+        self._ttft_floor: float | None = None
+        self._ttft_seen: tuple[float, ...] = ()
+        self._wake = anyio.Event()
+        self.active: list[BatchRecord] = []  # as of the last tick, for the status page
+
+    @property
+    def config(self) -> BatchConfig:
+        return self._router.settings.batch
+
+    def wake(self) -> None:
+        """Look for work now (a batch was created or cancelled, a line finished)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._renew_leases)
+                next_tick = 0.0
+                while True:
+                    if time.monotonic() >= next_tick:
+                        await self._tick()
+                        next_tick = time.monotonic() + self.config.poll_interval
+                    await self._dispatch(group)
+                    with anyio.move_on_after(max(0.0, next_tick - time.monotonic())):
+                        await self._wake.wait()
+                    self._wake = anyio.Event()
+        finally:
+            # Stopped (shutdown): lines taken and not answered go back at once, not after their lease.
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._store.release, self.owner)
+
+    async def _renew_leases(self) -> None:
+        while True:
+            await anyio.sleep(self.config.lease_seconds / 3)
+            await anyio.to_thread.run_sync(self._store.renew, self.owner, self._clock() + self.config.lease_seconds)
+
+    # Each tick: batch states, expiry, and the concurrency limit.
+
+    async def _tick(self) -> None:
+        now = self._clock()
+        self._dry.clear()
+        active = await anyio.to_thread.run_sync(self._store.active)
+        running: list[str] = []
+        for batch in active:
+            if batch.status == "validating":
+                start = partial(self._store.set_status, batch.id, "in_progress", int(now), before=("validating",))
+                await anyio.to_thread.run_sync(start)
+                running.append(batch.id)
+            elif batch.status == "in_progress" and now < batch.expires_at:
+                if await anyio.to_thread.run_sync(self._store.pending, batch.id):
+                    running.append(batch.id)
+                else:
+                    done = partial(self._store.set_status, batch.id, "finalizing", int(now), before=("in_progress",))
+                    await anyio.to_thread.run_sync(done)
+                    await self._finish(batch, "completed", now)
+            elif batch.status == "finalizing":
+                await self._finish(batch, "completed", now)  # a router stopped while finalizing it
+            elif not self._by_batch.get(batch.id):  # expired or cancelling, and nothing left running here
+                await self._finish(batch, "expired" if batch.status == "in_progress" else "cancelled", now)
+        # Batches leave the turns when they end; new ones join at the back.
+        self._turns = deque([b for b in self._turns if b in running] + [b for b in running if b not in self._turns])
+        for gone in set(self._waiting) - set(running):
+            del self._waiting[gone]
+        self.active = await anyio.to_thread.run_sync(self._store.active)
+        self._metrics.by_status = await anyio.to_thread.run_sync(self._store.count_by_status)
+        self._adapt()
+
+    async def _finish(self, batch: BatchRecord, status: Any, now: float) -> None:
+        output, error = f"file-{uuid.uuid4().hex[:24]}", f"file-{uuid.uuid4().hex[:24]}"
+        await anyio.to_thread.run_sync(
+            lambda: self._store.finish(batch.id, status, int(now), output_id=output, error_id=error)
+        )
+        logger.info("batch %s %s", batch.id, status)
+
+    def _adapt(self) -> None:
+        """Additive increase, multiplicative decrease of the lines allowed in flight."""
+        pool = self._pool()
+        if pool is not None and self._pushed_back(pool):
+            self.limit = max(1, self.limit // 2)
+            self._slow_start = False
+        elif self.in_flight >= self.limit:  # the limit, not the pools, held the batches back
+            grown = self.limit * 2 if self._slow_start else self.limit + 1
+            self.limit = min(self.config.max_concurrency, grown)
+        self._metrics.limit = self.limit
+
+    def _pushed_back(self, pool: Pool) -> bool:
+        """Whether live traffic on the batch pool shows strain: queueing, or first tokens slowing."""
+        now = time.monotonic()
+        stale_after = self._router.settings.scrape.stale_after
+        if pool.queued():
+            return True
+        if any(b.engine.fresh(now, stale_after) and (b.engine.waiting or 0) > 0 for b in pool.backends):
+            return True
+        recent = tuple(t for b in pool.backends for t in list(b.recent_ttft)[-_TTFT_SAMPLES:])
+        if not recent or recent == self._ttft_seen:
+            return False  # no new live first tokens since the last tick
+        self._ttft_seen = recent
+        p50 = statistics.median(recent)
+        if self._ttft_floor is None or p50 < self._ttft_floor:
+            self._ttft_floor = p50
+        return p50 > self.config.ttft_rise * self._ttft_floor
+
+    # Starting lines.
+
+    def _pool(self) -> Pool | None:
+        return self._router.pools.get(self._router.settings.pool_for("batch"))
+
+    def _room(self) -> int:
+        """How many more lines may start now."""
+        if self._router.shutting_down:
+            return 0
+        reserve = self.config.reserve_slots
+        pool = self._pool()
+        free = 0
+        if pool is not None and pool.accepting and not pool.queued():
+            free = max(0, _free_slots(pool) - reserve)
+        settings = self._router.settings
+        spec = self._router.pools.get(settings.pool_for("interactive"))
+        if (
+            settings.routing.batch_may_use_speculative
+            and spec is not None
+            and spec is not pool
+            and (pool is None or not pool.accepting or _free_slots(pool) == 0)
+            and not spec.queued()
+        ):
+            # Idle room only: below the concurrency at which interactive users would feel it.
+            idle = min(settings.routing.crossover.values()) - spec.in_flight
+            free += max(0, min(idle, _free_slots(spec) - reserve))
+        return min(free, self.limit - self.in_flight)
+
+    async def _dispatch(self, group: TaskGroup) -> None:
+        """Start lines while there is room, one batch after another."""
+        while self._room() > 0:
+            line = await self._next_line()
+            if line is None:
+                return
+            self.in_flight += 1
+            self._by_batch[line.batch_id] = self._by_batch.get(line.batch_id, 0) + 1
+            group.start_soon(self._execute, line)
+
+    async def _next_line(self) -> Line | None:
+        for _ in range(len(self._turns)):
+            batch_id = self._turns[0]
+            self._turns.rotate(-1)
+            if batch_id in self._dry:
+                continue
+            waiting = self._waiting.setdefault(batch_id, deque())
+            if not waiting:
+                now = self._clock()
+                n = min(_CLAIM, max(1, self._room()))
+                until = now + self.config.lease_seconds
+                claim = partial(self._store.claim, batch_id, self.owner, n, now=now, until=until)
+                claimed = await anyio.to_thread.run_sync(claim)
+                if not claimed:
+                    self._dry.add(batch_id)
+                    continue
+                waiting.extend(claimed)
+            return waiting.popleft()
+        return None
+
+    # Running one line.
+
+    async def _execute(self, line: Line) -> None:
+        try:
+            request_id = f"batch_req_{uuid.uuid4().hex}"
+            try:
+                status, body = await self._call(line, request_id)
+            except Exception:  # a bug on the request path must not end the runner; the line waits
+                logger.exception("batch line %s of %s failed in the router", line.custom_id, line.batch_id)
+                status, body = 500, None
+            if (status in _TRANSIENT or body is None) and line.attempts + 1 < self.config.max_attempts:
+                backoff = self.config.retry_backoff * 2**line.attempts
+                await anyio.to_thread.run_sync(self._store.retry_later, line, self._clock() + backoff)
+                self._metrics.retries.inc()
+                return
+            failed = status >= 400
+            result = {
+                "id": request_id,
+                "custom_id": line.custom_id,
+                "response": {"status_code": status, "request_id": request_id, "body": body},
+                "error": None,
+            }
+            if await anyio.to_thread.run_sync(lambda: self._store.record(line, result, failed=failed)):
+                self._metrics.lines.labels("failed" if failed else "completed").inc()
+        finally:
+            self.in_flight -= 1
+            left = self._by_batch[line.batch_id] - 1
+            if left:
+                self._by_batch[line.batch_id] = left
+            else:
+                del self._by_batch[line.batch_id]
+            self.wake()
+
+    async def _call(self, line: Line, request_id: str) -> tuple[int, Any]:
+        """The line through the router's own request path; its status and JSON body."""
+        body = line.body.encode()
+        job_header = self._router.settings.headers.job.lower().encode()
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": line.url,
+            "raw_path": line.url.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"x-request-id", request_id.encode()),
+                (job_header, b"batch"),
+            ],
+            "client": ("specroute-batch", 0),
+            "server": None,
+            INTERNAL_SCOPE_KEY: True,
+        }
+        sent = False
+        never = anyio.Event()  # this caller does not hang up: the proxy's disconnect watch waits
+
+        async def receive() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        status = 0
+        chunks: list[bytes] = []
+
+        async def send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self._router.proxy(scope, receive, send)
+        status = status or 500  # the path ended without answering: a fault of the router's own
+        raw = b"".join(chunks)
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw.decode("utf-8", "replace") if raw else None
+
+
+def _free_slots(pool: Pool) -> int:
+    return sum(max(0, b.max_concurrency - b.in_flight) for b in pool.backends if b.accepting)

@@ -1,0 +1,343 @@
+"""The Batch API through the official `openai` SDK, against a router in front of fake engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Cluster
+
+KEYS_ENV = "SPECROUTE_TEST_BATCH_KEYS"
+FAST = {"poll_interval": 0.05, "retry_backoff": 0.05}
+
+
+def _lines(count: int, *, prefix: str = "r", url: str = "/v1/chat/completions", **body: Any) -> bytes:
+    rows = []
+    for i in range(count):
+        payload = {
+            "model": "test-model",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": f"{prefix}-{i}"}],
+            **body,
+        }
+        rows.append({"custom_id": f"{prefix}-{i}", "method": "POST", "url": url, "body": payload})
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
+
+
+def _wait(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+    return value
+
+
+def _finished(client: openai.OpenAI, batch_id: str, timeout: float = 20.0) -> Any:
+    return _wait(
+        lambda: (
+            (b := client.batches.retrieve(batch_id)).status in ("completed", "cancelled", "expired", "failed") and b
+        ),
+        timeout,
+    )
+
+
+def _jsonl(content: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in content.decode().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def keyed(
+    monkeypatch: pytest.MonkeyPatch, make_cluster: Callable[..., AbstractContextManager[Cluster]]
+) -> Iterator[Cluster]:
+    monkeypatch.setenv(KEYS_ENV, "alice-key,bob-key")
+    with make_cluster(auth={"client_keys_env": KEYS_ENV}, batch=FAST) as cluster:
+        yield cluster
+
+
+def test_whole_cycle_with_the_sync_sdk(keyed: Cluster) -> None:
+    client = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
+    uploaded = client.files.create(file=("input.jsonl", _lines(20)), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.filename == "input.jsonl" and uploaded.bytes == len(_lines(20))
+    assert client.files.retrieve(uploaded.id).id == uploaded.id
+    assert client.files.content(uploaded.id).content == _lines(20)
+
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"job": "eval"}
+    )
+    assert batch.status == "validating" and batch.metadata == {"job": "eval"}
+    assert batch.expires_at == batch.created_at + 24 * 3600
+    done = _finished(client, batch.id)
+    assert done.status == "completed"
+    assert done.request_counts is not None and (done.request_counts.total, done.request_counts.completed) == (20, 20)
+    assert done.in_progress_at and done.finalizing_at and done.completed_at and done.error_file_id is None
+    assert done.output_file_id is not None
+    output = _jsonl(client.files.content(done.output_file_id).content)
+    assert sorted(row["custom_id"] for row in output) == sorted(f"r-{i}" for i in range(20))
+    for row in output:
+        assert row["error"] is None and row["response"]["status_code"] == 200
+        assert row["id"] == row["response"]["request_id"]
+        assert row["response"]["body"]["choices"][0]["message"]["content"] == "w0 w1 w2 w3"
+    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    # Run as batch work on the standard pool, through the request path: counted and decided there.
+    assert len(keyed.team.requests) == 20 and not keyed.fast.requests
+    assert all("x-job-type" not in seen.headers for seen in keyed.team.requests)
+    assert keyed.settled_metric("specroute_batch_lines_total", 20, result="completed") == 20
+    assert (
+        keyed.metric("specroute_route_decisions_total", job="batch", pool="team", reason="header", content="prose")
+        == 20
+    )
+    assert keyed.metric("specroute_batches", status="completed") == 1
+    status = httpx.get(keyed.router.url + "/router/status").json()["batches"]
+    assert status["by_status"]["completed"] == 1 and status["in_flight"] == 0
+
+    # Listing: newest first, in pages.
+    more = [
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h").id
+        for _ in range(2)
+    ]
+    page = client.batches.list(limit=2)
+    assert [b.id for b in page.data] == [more[1], more[0]] and page.has_more
+    rest = client.batches.list(limit=2, after=page.data[-1].id)
+    assert [b.id for b in rest.data] == [batch.id] and not rest.has_more
+    assert {f.id for f in client.files.list()} >= {uploaded.id, done.output_file_id}
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+    for batch_id in more:
+        _finished(client, batch_id)  # deleting the input file does not stop its batches
+
+
+def test_a_line_the_engine_rejects_goes_to_the_error_file_async(keyed: Cluster) -> None:
+    async def main() -> None:
+        client = openai.AsyncOpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
+        content = _lines(3) + _lines(1, prefix="bad", model="no-such-model")
+        uploaded = await client.files.create(file=("mixed.jsonl", content), purpose="batch")
+        batch = await client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        deadline = time.monotonic() + 20
+        while (batch := await client.batches.retrieve(batch.id)).status != "completed":
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        assert batch.request_counts is not None
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
+        assert batch.output_file_id and batch.error_file_id
+        errors = _jsonl((await client.files.content(batch.error_file_id)).content)
+        assert [row["custom_id"] for row in errors] == ["bad-0"]
+        assert errors[0]["response"]["status_code"] == 404
+        assert "no-such-model" in errors[0]["response"]["body"]["error"]["message"]
+        output = _jsonl((await client.files.content(batch.output_file_id)).content)
+        assert sorted(row["custom_id"] for row in output) == ["r-0", "r-1", "r-2"]
+        await client.close()
+
+    asyncio.run(main())
+    assert keyed.settled_metric("specroute_batch_lines_total", 1, result="failed") == 1
+
+
+@pytest.mark.parametrize(
+    ("content", "line", "why"),
+    [
+        (_lines(2) + b"{not json\n", 3, "not valid JSON"),
+        (_lines(2) + _lines(1), 3, "custom_id 'r-0' is used more than once"),
+        (b'{"custom_id": "a", "method": "GET", "url": "/v1/chat/completions", "body": {}}\n', 1, "method must be POST"),
+        (b'{"custom_id": "a", "method": "POST", "url": "/v1/models", "body": {}}\n', 1, "url must be one of"),
+        (b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": []}\n', 1, "body must be"),
+        (b'\n{"method": "POST", "url": "/v1/embeddings", "body": {}}\n', 2, "custom_id must be"),
+        (_lines(1, stream=True), 1, "streamed"),
+        (b"[1]\n", 1, "must be a JSON object"),
+    ],
+)
+def test_a_malformed_file_is_400_naming_the_line(keyed: Cluster, content: bytes, line: int, why: str) -> None:
+    client = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.files.create(file=("bad.jsonl", content), purpose="batch")
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["message"].startswith(f"line {line}: ") and why in error["message"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "file", "invalid_file")
+    assert not list(client.files.list())  # nothing kept
+
+
+def test_another_keys_files_and_batches_are_404(keyed: Cluster) -> None:
+    alice = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
+    bob = openai.OpenAI(base_url=keyed.base_url, api_key="bob-key", max_retries=0)
+    uploaded = alice.files.create(file=("a.jsonl", _lines(2)), purpose="batch")
+    batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for attempt in (
+        lambda: bob.batches.retrieve(batch.id),
+        lambda: bob.batches.cancel(batch.id),
+        lambda: bob.files.retrieve(uploaded.id),
+        lambda: bob.files.content(uploaded.id),
+        lambda: bob.files.delete(uploaded.id),
+        lambda: bob.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert not bob.batches.list().data and not list(bob.files.list())
+    assert _finished(alice, batch.id).status == "completed"
+    # No key, or an unknown one: 401 before anything is read.
+    for key in (None, "mallory-key"):
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        answer = httpx.get(keyed.base_url + "/batches", headers=headers)
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_cancel_keeps_the_lines_done(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
+    with make_cluster(batch={**FAST, "max_concurrency": 2}) as cluster:
+        cluster.team.token_delay = 0.05  # 4 tokens: 0.2 s a line
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        uploaded = client.files.create(file=("slow.jsonl", _lines(40)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        _wait(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2)  # type: ignore[union-attr]
+        cancelling = client.batches.cancel(batch.id)
+        assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
+        done = _finished(client, batch.id)
+        assert done.status == "cancelled" and done.cancelled_at is not None
+        counts = done.request_counts
+        assert counts is not None and 2 <= counts.completed < 40 and counts.failed == 0
+        output = _jsonl(client.files.content(done.output_file_id).content)
+        errors = _jsonl(client.files.content(done.error_file_id).content)
+        assert len(output) == counts.completed and len(output) + len(errors) == 40
+        assert {row["error"]["code"] for row in errors} == {"batch_cancelled"}
+        assert len(cluster.team.requests) == counts.completed  # nothing started after the cancel finished
+        with pytest.raises(openai.ConflictError):
+            client.batches.cancel(
+                _finished(
+                    client,
+                    client.batches.create(
+                        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+                    ).id,
+                    timeout=30,
+                ).id
+            )
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_batch_expires_after_its_window_with_the_lines_done(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+) -> None:
+    clock = FakeClock()
+    with make_cluster(clock=clock, batch={**FAST, "max_concurrency": 2}) as cluster:
+        cluster.team.token_delay = 0.05
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        uploaded = client.files.create(file=("slow.jsonl", _lines(40)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        _wait(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2)  # type: ignore[union-attr]
+        assert client.batches.retrieve(batch.id).status == "in_progress"
+        clock.now += 24 * 3600
+        done = _finished(client, batch.id)
+        assert done.status == "expired" and done.expired_at == int(clock.now)
+        counts = done.request_counts
+        assert counts is not None and counts.completed >= 2 and counts.completed + counts.failed == 40
+        output = _jsonl(client.files.content(done.output_file_id).content)
+        errors = _jsonl(client.files.content(done.error_file_id).content)
+        assert len(output) == counts.completed and len(errors) == counts.failed
+        assert {row["error"]["code"] for row in errors} == {"batch_expired"}
+        assert {row["custom_id"] for row in output + errors} == {f"r-{i}" for i in range(40)}
+
+
+def test_batches_take_turns(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
+    with make_cluster(batch={**FAST, "max_concurrency": 1}) as cluster:
+        cluster.team.token_delay = 0.02
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        first = client.files.create(file=("a.jsonl", _lines(12, prefix="a")), purpose="batch")
+        second = client.files.create(file=("b.jsonl", _lines(6, prefix="b")), purpose="batch")
+        batches = [
+            client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+            for f in (first, second)
+        ]
+        for batch in batches:
+            assert _finished(client, batch.id).status == "completed"
+        ids = [_custom_id(s.body) for s in cluster.team.requests]
+        start = next(i for i, c in enumerate(ids) if c.startswith("b"))
+        # Once the second batch has joined, the two alternate until it is done.
+        window = ids[start : start + 12]
+        assert [c[0] for c in window] in (list("baba" * 3), list("abab" * 3)), ids
+
+
+def _custom_id(body: dict[str, Any]) -> str:
+    """The line a request came from: `_lines` writes its custom_id as the message."""
+    return str(body["messages"][0]["content"])
+
+
+def test_hostile_uploads_are_answered_and_nothing_is_kept(keyed: Cluster) -> None:
+    headers = {"authorization": "Bearer alice-key"}
+    url = keyed.base_url + "/files"
+    # Not multipart at all, and multipart without a file.
+    for answer in (
+        httpx.post(url, headers=headers, content=b"garbage"),
+        httpx.post(url, headers=headers, data={"purpose": "batch"}, files={"other": ("x", b"{}")}),
+        httpx.post(
+            url, headers={**headers, "content-type": "multipart/form-data; boundary=zz"}, content=b"--zz\r\nbroken"
+        ),
+    ):
+        assert answer.status_code == 400, answer.text
+        assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+    wrong_purpose = httpx.post(url, headers=headers, data={"purpose": "fine-tune"}, files={"file": ("a", _lines(1))})
+    assert wrong_purpose.status_code == 400 and wrong_purpose.json()["error"]["param"] == "purpose"
+    bad_json = httpx.post(keyed.base_url + "/batches", headers=headers, content=b"{nope")
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
+    for params in (
+        {"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "1h"},
+        {"input_file_id": "file-x", "endpoint": "/v1/models", "completion_window": "24h"},
+    ):
+        answer = httpx.post(keyed.base_url + "/batches", headers=headers, json=params)
+        assert answer.status_code == 400
+    missing = httpx.post(
+        keyed.base_url + "/batches",
+        headers=headers,
+        json={"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    )
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "file_not_found"
+    # A body declared too large is refused before it is read: raw socket, head only.
+    port = keyed.router.port
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        raw.sendall(
+            b"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alice-key\r\n"
+            b"Content-Type: multipart/form-data; boundary=zz\r\nContent-Length: 999999999999\r\n\r\n"
+        )
+        head = raw.recv(65536).decode()
+    assert head.startswith("HTTP/1.1 413") and "file_too_large" in head
+    # Other paths under /v1/files and /v1/batches are the router's, never forwarded.
+    for method, path in (("POST", "/files/file-x"), ("POST", "/batches/b/x"), ("PUT", "/batches")):
+        answer = httpx.request(method, keyed.base_url + path, headers=headers)
+        assert answer.status_code in (404, 405) and "error" in answer.json()
+    assert not keyed.team.requests and not keyed.fast.requests
+    client = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
+    assert not list(client.files.list())
+    assert keyed.metric("specroute_in_flight_requests", pool="team", backend="team-1") == 0
+    assert client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}]).choices
+
+
+def test_file_and_storage_limits(monkeypatch: pytest.MonkeyPatch, make_cluster: Callable[..., Any]) -> None:
+    one = len(_lines(1))
+    with make_cluster(batch={**FAST, "max_file_bytes": 3 * one, "max_storage_bytes": 5 * one}) as cluster:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.files.create(file=("big.jsonl", _lines(4)), purpose="batch")
+        assert caught.value.status_code == 413 and caught.value.code == "file_too_large"
+        client.files.create(file=("a.jsonl", _lines(3)), purpose="batch")
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.files.create(file=("b.jsonl", _lines(3)), purpose="batch")
+        assert caught.value.status_code == 413 and caught.value.code == "storage_full"
+        assert len(list(client.files.list())) == 1
