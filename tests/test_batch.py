@@ -341,3 +341,61 @@ def test_file_and_storage_limits(monkeypatch: pytest.MonkeyPatch, make_cluster: 
             client.files.create(file=("b.jsonl", _lines(3)), purpose="batch")
         assert caught.value.status_code == 413 and caught.value.code == "storage_full"
         assert len(list(client.files.list())) == 1
+
+
+def test_batch_lines_leave_room_for_live_requests(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
+    with make_cluster(batch={**FAST, "reserve_slots": 2}) as cluster:
+        cluster.team.token_delay = 0.02
+        pools = cluster.app.state.router.pools
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        uploaded = client.files.create(file=("a.jsonl", _lines(60)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        busiest = queued = 0
+        live = []
+        deadline = time.monotonic() + 30
+        while client.batches.retrieve(batch.id).status != "completed":
+            assert time.monotonic() < deadline
+            busiest = max(busiest, cluster.team.open)
+            queued = max(queued, pools["team"].queued())
+            # A live request sent to the standard pool meanwhile finds a free slot at once.
+            started = time.perf_counter()
+            answer = httpx.post(
+                cluster.base_url + "/chat/completions",
+                headers={"x-job-type": "batch"},
+                json={"model": "test-model", "max_tokens": 1, "messages": [{"role": "user", "content": "live"}]},
+            )
+            live.append((answer.status_code, answer.headers["x-route-pool"], time.perf_counter() - started))
+        assert 2 <= busiest <= 8 - 2 + 1, busiest  # six lines at most, and the one live request
+        assert queued == 0
+        assert live and all(status == 200 and pool == "team" for status, pool, _ in live)
+        assert cluster.metric("specroute_queue_wait_seconds_bucket", pool="team", job="batch", le="0.01") == (
+            cluster.metric("specroute_queue_wait_seconds_count", pool="team", job="batch")
+        )
+
+
+def test_batch_lines_are_trusted_without_opening_overrides_to_clients(
+    monkeypatch: pytest.MonkeyPatch, make_cluster: Callable[..., AbstractContextManager[Cluster]]
+) -> None:
+    monkeypatch.setenv(KEYS_ENV, "alice-key")
+    monkeypatch.setenv("SPECROUTE_TEST_OVERRIDE_KEYS", "ops-key")
+    auth = {"client_keys_env": KEYS_ENV, "override_keys_env": "SPECROUTE_TEST_OVERRIDE_KEYS"}
+    with make_cluster(auth={**auth, "untrusted_overrides": "reject"}, batch=FAST) as cluster:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="alice-key", max_retries=0)
+        with pytest.raises(openai.PermissionDeniedError):
+            client.chat.completions.create(
+                model="test-model", messages=[{"role": "user", "content": "x"}], extra_headers={"X-Job-Type": "batch"}
+            )
+        uploaded = client.files.create(file=("a.jsonl", _lines(3)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert _finished(client, batch.id).status == "completed"
+        assert len(cluster.team.requests) == 3
+        assert (
+            cluster.metric(
+                "specroute_route_decisions_total", job="batch", pool="team", reason="header", content="prose"
+            )
+            == 3
+        )

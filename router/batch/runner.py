@@ -60,6 +60,7 @@ class Runner:
         self.limit = 1  # lines allowed in flight, adapted each tick
         self._slow_start = True
         self.in_flight = 0
+        self._starting = 0  # lines started that have not reached a pool yet
         self._by_batch: dict[str, int] = {}  # lines in flight per batch
         self._turns: deque[str] = deque()  # batches taking lines, in turn
         self._waiting: dict[str, deque[Line]] = {}  # lines taken from the store, not yet started
@@ -192,7 +193,8 @@ class Runner:
             # Idle room only: below the concurrency at which interactive users would feel it.
             idle = min(settings.routing.crossover.values()) - spec.in_flight
             free += max(0, min(idle, _free_slots(spec) - reserve))
-        return min(free, self.limit - self.in_flight)
+        # Lines started and not yet admitted do not show in the pools' counts yet.
+        return min(free - self._starting, self.limit - self.in_flight)
 
     async def _dispatch(self, group: TaskGroup) -> None:
         """Start lines while there is room, one batch after another."""
@@ -201,6 +203,7 @@ class Runner:
             if line is None:
                 return
             self.in_flight += 1
+            self._starting += 1
             self._by_batch[line.batch_id] = self._by_batch.get(line.batch_id, 0) + 1
             group.start_soon(self._execute, line)
 
@@ -281,14 +284,19 @@ class Runner:
             "server": None,
             INTERNAL_SCOPE_KEY: True,
         }
-        sent = False
+        sent = admitted = False
         never = anyio.Event()  # this caller does not hang up: the proxy's disconnect watch waits
 
         async def receive() -> Message:
-            nonlocal sent
+            nonlocal sent, admitted
             if not sent:
                 sent = True
                 return {"type": "http.request", "body": body, "more_body": False}
+            # The proxy listens for a disconnect once the request is served: it has a slot, or
+            # waits in a pool's queue, and the pools count it from now on.
+            if not admitted:
+                admitted = True
+                self._starting -= 1
             await never.wait()
             return {"type": "http.disconnect"}
 
@@ -302,7 +310,11 @@ class Runner:
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
 
-        await self._router.proxy(scope, receive, send)
+        try:
+            await self._router.proxy(scope, receive, send)
+        finally:
+            if not admitted:  # answered before it reached a pool (an error of its own)
+                self._starting -= 1
         status = status or 500  # the path ended without answering: a fault of the router's own
         raw = b"".join(chunks)
         try:
