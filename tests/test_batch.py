@@ -8,6 +8,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -399,3 +400,22 @@ def test_batch_lines_are_trusted_without_opening_overrides_to_clients(
             )
             == 3
         )
+
+
+def test_two_routers_on_one_store_run_each_line_once(
+    tmp_path: Path, make_cluster: Callable[..., AbstractContextManager[Cluster]]
+) -> None:
+    shared = {**FAST, "store_dir": str(tmp_path)}
+    with make_cluster(batch=shared) as first, make_cluster(batch=shared) as second:
+        for cluster in (first, second):
+            cluster.team.token_delay = 0.02
+        client = openai.OpenAI(base_url=first.base_url, api_key="none", max_retries=0)
+        uploaded = client.files.create(file=("a.jsonl", _lines(80)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        done = _finished(openai.OpenAI(base_url=second.base_url, api_key="none", max_retries=0), batch.id, timeout=40)
+        assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 80
+        sent = [_custom_id(seen.body) for cluster in (first, second) for seen in cluster.team.requests]
+        assert sorted(sent) == sorted(f"r-{i}" for i in range(80))  # each line sent once, by one router
+        assert first.team.requests and second.team.requests  # and both took part

@@ -184,6 +184,8 @@ class SqliteStore:
     """One SQLite database in WAL mode, every commit synced (`synchronous=FULL`)."""
 
     def __init__(self, directory: str | Path) -> None:
+        if sqlite3.sqlite_version_info < (3, 35):
+            raise RuntimeError(f"the batch store needs SQLite 3.35 or later (RETURNING), not {sqlite3.sqlite_version}")
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         self.path = path / "batches.sqlite3"
