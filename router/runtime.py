@@ -30,8 +30,8 @@ from router.version import BuildInfo, build_info
 
 logger = logging.getLogger("specroute")
 
-# Settings that a running router cannot take: its socket is already bound, its log set up, and
-# each connection is held to the client limits it was accepted with (router/listener.py).
+# Settings that a running router cannot take: its socket is already bound, its log set up, its
+# batch store open, and each connection is held to the client limits it was accepted with (router/listener.py).
 _NEEDS_RESTART = (
     "listen.",
     "log.",
@@ -41,6 +41,7 @@ _NEEDS_RESTART = (
     "limits.request_head_bytes",
     "limits.request_headers",
     "limits.max_connections",
+    "batch.store_dir",
 )
 
 

@@ -35,7 +35,7 @@ from starlette.types import Message
 
 from router.auth import INTERNAL_SCOPE_KEY
 from router.batch.metrics import BatchMetrics
-from router.batch.store import BatchRecord, Line, Store
+from router.batch.store import BatchRecord, BatchStatus, Line, Store
 from router.config import Batch as BatchConfig
 from router.pools import Pool
 
@@ -132,7 +132,7 @@ class Runner:
         self._metrics.by_status = await anyio.to_thread.run_sync(self._store.count_by_status)
         self._adapt()
 
-    async def _finish(self, batch: BatchRecord, status: Any, now: float) -> None:
+    async def _finish(self, batch: BatchRecord, status: BatchStatus, now: float) -> None:
         output, error = f"file-{uuid.uuid4().hex[:24]}", f"file-{uuid.uuid4().hex[:24]}"
         await anyio.to_thread.run_sync(
             lambda: self._store.finish(batch.id, status, int(now), output_id=output, error_id=error)
