@@ -9,7 +9,7 @@ other request. The runner only decides how many lines run at once, and which:
   waiting in its queue, so a live request never waits behind one; the speculative pool's idle
   room is used only with `routing.batch_may_use_speculative`, when the batch pool has none.
 - On top of that, a limit adapts (AIMD): it doubles while nothing pushes back, then grows by one
-  a tick; it halves when the batch pool queues, its engines report waiting requests, or its
+  a tick; it halves when the batch pool queues, its engines report waiting requests at two ticks running, or its
   recent first-token p50 rises past `ttft_rise` times the lowest seen.
 - Batches take turns line by line (round robin), so a big batch does not hold back a small one.
 
@@ -48,6 +48,7 @@ logger = logging.getLogger("specroute.batch")
 _TRANSIENT = frozenset({429, 502, 503, 504})
 _CLAIM = 8  # lines taken from the store at once per batch
 _TTFT_SAMPLES = 32
+_TTFT_MIN_SAMPLES = 8
 
 
 class Runner:
@@ -66,6 +67,7 @@ class Runner:
         self._waiting: dict[str, deque[Line]] = {}  # lines taken from the store, not yet started
         self._dry: set[str] = set()  # batches with nothing to take until the next tick
         self._ttft_floor: float | None = None
+        self._engine_waited = False  # the batch pool's engines reported waiting requests at the last tick
         self._ttft_seen: tuple[float, ...] = ()
         self._wake = anyio.Event()
         self.active: list[BatchRecord] = []  # as of the last tick, for the status page
@@ -156,11 +158,15 @@ class Runner:
         stale_after = self._router.settings.scrape.stale_after
         if pool.queued():
             return True
-        if any(b.engine.fresh(now, stale_after) and (b.engine.waiting or 0) > 0 for b in pool.backends):
+        # A request just sent waits inside the engine until its next step: only requests waiting
+        # at two looks running mean the engine is full (as the routing policy reads it).
+        waiting = any(b.engine.fresh(now, stale_after) and (b.engine.waiting or 0) > 0 for b in pool.backends)
+        waited_before, self._engine_waited = self._engine_waited, waiting
+        if waiting and waited_before:
             return True
         recent = tuple(t for b in pool.backends for t in list(b.recent_ttft)[-_TTFT_SAMPLES:])
-        if not recent or recent == self._ttft_seen:
-            return False  # no new live first tokens since the last tick
+        if len(recent) < _TTFT_MIN_SAMPLES or recent == self._ttft_seen:
+            return False  # too few live first tokens to judge, or none new since the last tick
         self._ttft_seen = recent
         p50 = statistics.median(recent)
         if self._ttft_floor is None or p50 < self._ttft_floor:

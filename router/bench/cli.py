@@ -1,4 +1,4 @@
-"""`specroute bench sweep | mixed | compare | spill`."""
+"""`specroute bench sweep | mixed | compare | spill | batchjob`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from router.bench import report
+from router.bench.batchjob import batch_job
+from router.bench.batchjob import markdown as batchjob_markdown
 from router.bench.compare import run_on_layout
 from router.bench.load import Target
 from router.bench.scenarios import MixedResult, Summary, SweepRound, mixed, sweep
@@ -73,6 +75,16 @@ def add_parser(commands: Any) -> None:
     )  # fmt: skip
     mixed_options(compare)
 
+    batchjob = scenarios.add_parser(
+        "batchjob", help="interactive users alone, then while a Batch API job runs (the router's /v1/batches)"
+    )
+    common(batchjob, target=True)
+    batchjob.add_argument("--interactive", type=int, default=4, help="interactive users (closed loop)")
+    batchjob.add_argument("--lines", type=int, default=10_000, help="requests in the batch")
+    batchjob.add_argument("--batch-max-tokens", type=int, default=64, help="answer length of each batch line")
+    batchjob.add_argument("--duration", type=float, default=300, help="seconds (real time) of each phase")
+    batchjob.add_argument("--think", type=float, default=5, help="an interactive user's think time, seconds")
+
     spill = scenarios.add_parser(
         "spill", help="interactive users from few to many on top of a batch job: where does routing put them?"
     )
@@ -92,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         return _mixed(args, out)
     if args.scenario == "spill":
         return _spill(args, out)
+    if args.scenario == "batchjob":
+        return _batchjob(args, out)
     return _compare(args, out)
 
 
@@ -166,6 +180,27 @@ def _mixed(args: argparse.Namespace, out: Path) -> int:
     results = {target.base_url: result}
     _write_mixed(results, args, target, out)
     return _finish(out, f"## mixed load on {target.base_url}\n\n" + report.mixed_table(results))
+
+
+def _batchjob(args: argparse.Namespace, out: Path) -> int:
+    target = _target(args)
+    result = _with_progress(
+        f"batchjob {args.base_url}",
+        lambda progress: batch_job(
+            target,
+            interactive_users=args.interactive,
+            lines=args.lines,
+            duration=args.duration,
+            think_time=args.think,
+            kind=args.kind,
+            max_tokens=args.max_tokens,
+            batch_max_tokens=args.batch_max_tokens,
+            progress=progress,
+        ),
+    )
+    report.write_json(out / "batchjob.json", {**_meta(args, target), **result.as_dict()})
+    text = batchjob_markdown(result, users=args.interactive, duration=args.duration, scale=target.time_scale)
+    return _finish(out, text)
 
 
 def _write_mixed(results: dict[str, MixedResult], args: argparse.Namespace, target: Target, out: Path) -> None:
