@@ -419,3 +419,24 @@ def test_two_routers_on_one_store_run_each_line_once(
         sent = [_custom_id(seen.body) for cluster in (first, second) for seen in cluster.team.requests]
         assert sorted(sent) == sorted(f"r-{i}" for i in range(80))  # each line sent once, by one router
         assert first.team.requests and second.team.requests  # and both took part
+
+
+def test_bench_batchjob_runs_a_batch_beside_interactive_users(
+    tmp_path: Path, make_cluster: Callable[..., AbstractContextManager[Cluster]]
+) -> None:
+    from router.cli import main
+
+    with make_cluster(batch=FAST) as cluster:
+        code = main(
+            ["bench", "batchjob", "--base-url", cluster.base_url, "--model", "test-model", "--interactive", "2",
+             "--lines", "30", "--duration", "1", "--think", "0.1", "--max-tokens", "4", "--batch-max-tokens", "4",
+             "--out", str(tmp_path)]
+        )  # fmt: skip
+    assert code == 0
+    result = json.loads((tmp_path / "batchjob.json").read_text())
+    assert result["batch"]["status"] == "completed" and result["batch"]["completed"] == 30
+    assert result["alone"]["requests"] > 0 and result["beside"]["requests"] > 0
+    assert result["alone"]["errors"] == result["beside"]["errors"] == 0
+    assert (
+        "10,000" not in (tmp_path / "report.md").read_text() and "30-line batch" in (tmp_path / "report.md").read_text()
+    )
