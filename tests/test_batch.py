@@ -440,3 +440,41 @@ def test_bench_batchjob_runs_a_batch_beside_interactive_users(
     assert (
         "10,000" not in (tmp_path / "report.md").read_text() and "30-line batch" in (tmp_path / "report.md").read_text()
     )
+
+
+def test_the_batch_backs_off_when_live_requests_queue_on_its_pool(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+) -> None:
+    with make_cluster(batch={**FAST, "max_concurrency": 8}) as cluster:
+        cluster.team.token_delay = 0.05  # a batch line: 4 tokens, 0.2 s
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        uploaded = client.files.create(file=("a.jsonl", _lines(400)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        _wait(lambda: cluster.metric("specroute_batch_concurrency_limit") >= 4)  # it grew while nothing pushed back
+
+        async def live(number: int) -> int:
+            # Pinned to the batch's pool: 12 at once, with 8 slots there, some must queue.
+            async with httpx.AsyncClient(timeout=60) as http:
+                answer = await http.post(
+                    cluster.base_url + "/chat/completions",
+                    headers={"x-route-pool": "team"},
+                    json={"model": "test-model", "max_tokens": 30, "messages": [{"role": "user", "content": "live"}]},
+                )
+                return answer.status_code
+
+        lowest = 8.0
+
+        async def burst() -> list[int]:
+            nonlocal lowest
+            tasks = [asyncio.create_task(live(i)) for i in range(12)]
+            while not all(task.done() for task in tasks):
+                lowest = min(lowest, cluster.metric("specroute_batch_concurrency_limit"))
+                await asyncio.sleep(0.01)
+            return [task.result() for task in tasks]
+
+        assert asyncio.run(burst()) == [200] * 12
+        assert lowest <= 2, lowest  # halved at least twice while live requests waited
+        done = _finished(client, batch.id, timeout=60)
+        assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 400
