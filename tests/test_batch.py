@@ -478,3 +478,35 @@ def test_the_batch_backs_off_when_live_requests_queue_on_its_pool(
         assert lowest <= 2, lowest  # halved at least twice while live requests waited
         done = _finished(client, batch.id, timeout=60)
         assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 400
+
+
+@pytest.mark.parametrize("borrow", [True, False])
+def test_the_speculative_pools_idle_room_only_when_allowed(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]], borrow: bool
+) -> None:
+    health = {"interval": 0.05, "unhealthy_after": 1, "healthy_after": 1}
+    with make_cluster(batch=FAST, health=health, routing={"batch_may_use_speculative": borrow}) as cluster:
+        cluster.team.healthy = False
+        _wait(lambda: not httpx.get(cluster.router.url + "/readyz").json()["backends"]["team-1"])
+        cluster.fast.token_delay = 0.02
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        uploaded = client.files.create(file=("a.jsonl", _lines(30)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        if borrow:
+            busiest = 0
+            while client.batches.retrieve(batch.id).status != "completed":
+                busiest = max(busiest, cluster.fast.open)
+            assert len(cluster.fast.requests) == 30 and not cluster.team.requests
+            assert busiest <= 4  # below the prose crossover: room interactive users would not miss
+            return
+        # Not allowed: the lines wait for the standard pool, none fails, none goes to the speculative one.
+        # The runner has looked (and would have started lines right after) once the batch shows
+        # as active on the status page.
+        _wait(lambda: httpx.get(cluster.router.url + "/router/status").json()["batches"]["active"])
+        assert client.batches.retrieve(batch.id).request_counts.completed == 0  # type: ignore[union-attr]
+        assert not cluster.fast.requests and cluster.metric("specroute_batch_line_retries_total") == 0
+        cluster.team.healthy = True
+        assert _finished(client, batch.id).request_counts.completed == 30
+        assert len(cluster.team.requests) == 30 and not cluster.fast.requests
