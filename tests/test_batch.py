@@ -402,22 +402,28 @@ def test_batch_lines_are_trusted_without_opening_overrides_to_clients(
         )
 
 
+@pytest.mark.parametrize(("lines", "token_delay", "lease"), [(80, 0.02, 60.0), (20, 0.2, 0.3)])
 def test_two_routers_on_one_store_run_each_line_once(
-    tmp_path: Path, make_cluster: Callable[..., AbstractContextManager[Cluster]]
+    tmp_path: Path,
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+    lines: int,
+    token_delay: float,
+    lease: float,
 ) -> None:
-    shared = {**FAST, "store_dir": str(tmp_path)}
+    """Second case: each line takes 0.8 s, its lease 0.3 s; the lease is renewed while it runs."""
+    shared = {**FAST, "store_dir": str(tmp_path), "lease_seconds": lease}
     with make_cluster(batch=shared) as first, make_cluster(batch=shared) as second:
         for cluster in (first, second):
-            cluster.team.token_delay = 0.02
+            cluster.team.token_delay = token_delay
         client = openai.OpenAI(base_url=first.base_url, api_key="none", max_retries=0)
-        uploaded = client.files.create(file=("a.jsonl", _lines(80)), purpose="batch")
+        uploaded = client.files.create(file=("a.jsonl", _lines(lines)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         done = _finished(openai.OpenAI(base_url=second.base_url, api_key="none", max_retries=0), batch.id, timeout=40)
-        assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 80
+        assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == lines
         sent = [_custom_id(seen.body) for cluster in (first, second) for seen in cluster.team.requests]
-        assert sorted(sent) == sorted(f"r-{i}" for i in range(80))  # each line sent once, by one router
+        assert sorted(sent) == sorted(f"r-{i}" for i in range(lines))  # each line sent once, by one router
         assert first.team.requests and second.team.requests  # and both took part
 
 

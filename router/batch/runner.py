@@ -65,6 +65,8 @@ class Runner:
         self._by_batch: dict[str, int] = {}  # lines in flight per batch
         self._turns: deque[str] = deque()  # batches taking lines, in turn
         self._waiting: dict[str, deque[Line]] = {}  # lines taken from the store, not yet started
+        # Leases this router keeps renewing: taken lines, until answered or given up.
+        self._held: set[tuple[str, int]] = set()
         self._dry: set[str] = set()  # batches with nothing to take until the next tick
         self._ttft_floor: float | None = None
         self._engine_waited = False  # the batch pool's engines reported waiting requests at the last tick
@@ -86,10 +88,13 @@ class Runner:
                 group.start_soon(self._renew_leases)
                 next_tick = 0.0
                 while True:
-                    if time.monotonic() >= next_tick:
-                        await self._tick()
-                        next_tick = time.monotonic() + self.config.poll_interval
-                    await self._dispatch(group)
+                    try:
+                        if time.monotonic() >= next_tick:
+                            next_tick = time.monotonic() + self.config.poll_interval
+                            await self._tick()
+                        await self._dispatch(group)
+                    except Exception:  # the store failed (disk full, locked too long): try again next tick
+                        logger.exception("batch runner: the store failed; trying again")
                     with anyio.move_on_after(max(0.0, next_tick - time.monotonic())):
                         await self._wake.wait()
                     self._wake = anyio.Event()
@@ -101,7 +106,13 @@ class Runner:
     async def _renew_leases(self) -> None:
         while True:
             await anyio.sleep(self.config.lease_seconds / 3)
-            await anyio.to_thread.run_sync(self._store.renew, self.owner, self._clock() + self.config.lease_seconds)
+            renew = partial(
+                self._store.renew, self.owner, sorted(self._held), self._clock() + self.config.lease_seconds
+            )
+            try:
+                await anyio.to_thread.run_sync(renew)
+            except Exception:  # the store failed: the leases may lapse, and the lines run again
+                logger.exception("batch runner: leases not renewed")
 
     # Each tick: batch states, expiry, and the concurrency limit.
 
@@ -129,7 +140,7 @@ class Runner:
         # Batches leave the turns when they end; new ones join at the back.
         self._turns = deque([b for b in self._turns if b in running] + [b for b in running if b not in self._turns])
         for gone in set(self._waiting) - set(running):
-            del self._waiting[gone]
+            self._held -= {(line.batch_id, line.idx) for line in self._waiting.pop(gone)}
         self.active = await anyio.to_thread.run_sync(self._store.active)
         self._metrics.by_status = await anyio.to_thread.run_sync(self._store.count_by_status)
         self._adapt()
@@ -230,6 +241,7 @@ class Runner:
                     self._dry.add(batch_id)
                     continue
                 waiting.extend(claimed)
+                self._held |= {(line.batch_id, line.idx) for line in claimed}
             return waiting.popleft()
         return None
 
@@ -243,21 +255,12 @@ class Runner:
             except Exception:  # a bug on the request path must not end the runner; the line waits
                 logger.exception("batch line %s of %s failed in the router", line.custom_id, line.batch_id)
                 status, body = 500, None
-            if (status in _TRANSIENT or body is None) and line.attempts + 1 < self.config.max_attempts:
-                backoff = self.config.retry_backoff * 2**line.attempts
-                await anyio.to_thread.run_sync(self._store.retry_later, line, self._clock() + backoff)
-                self._metrics.retries.inc()
-                return
-            failed = status >= 400
-            result = {
-                "id": request_id,
-                "custom_id": line.custom_id,
-                "response": {"status_code": status, "request_id": request_id, "body": body},
-                "error": None,
-            }
-            if await anyio.to_thread.run_sync(lambda: self._store.record(line, result, failed=failed)):
-                self._metrics.lines.labels("failed" if failed else "completed").inc()
+            await self._save(line, request_id, status, body)
+        except Exception:  # not recorded: the line stays leased, and is run again once its lease runs out
+            logger.exception("batch line %s of %s: its result could not be stored", line.custom_id, line.batch_id)
         finally:
+            # Answered, put back, or (the store failing) left to expire and be taken again.
+            self._held.discard((line.batch_id, line.idx))
             self.in_flight -= 1
             left = self._by_batch[line.batch_id] - 1
             if left:
@@ -265,6 +268,23 @@ class Runner:
             else:
                 del self._by_batch[line.batch_id]
             self.wake()
+
+    async def _save(self, line: Line, request_id: str, status: int, body: Any) -> None:
+        """Record the line's answer, or put it back for later if the router had no room for it."""
+        if (status in _TRANSIENT or body is None) and line.attempts + 1 < self.config.max_attempts:
+            backoff = self.config.retry_backoff * 2**line.attempts
+            await anyio.to_thread.run_sync(self._store.retry_later, line, self._clock() + backoff)
+            self._metrics.retries.inc()
+            return
+        failed = status >= 400
+        result = {
+            "id": request_id,
+            "custom_id": line.custom_id,
+            "response": {"status_code": status, "request_id": request_id, "body": body},
+            "error": None,
+        }
+        if await anyio.to_thread.run_sync(lambda: self._store.record(line, result, failed=failed)):
+            self._metrics.lines.labels("failed" if failed else "completed").inc()
 
     async def _call(self, line: Line, request_id: str) -> tuple[int, Any]:
         """The line through the router's own request path; its status and JSON body."""
