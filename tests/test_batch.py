@@ -93,7 +93,9 @@ def test_whole_cycle_with_the_sync_sdk(keyed: Cluster) -> None:
     assert all("x-job-type" not in seen.headers for seen in keyed.team.requests)
     assert keyed.settled_metric("specroute_batch_lines_total", 20, result="completed") == 20
     assert (
-        keyed.metric("specroute_route_decisions_total", job="batch", pool="team", reason="header", content="prose")
+        keyed.metric(
+            "specroute_route_decisions_total", job_class="batch", pool="team", reason="header", content="prose"
+        )
         == 20
     )
     assert keyed.metric("specroute_batches", status="completed") == 1
@@ -371,8 +373,8 @@ def test_batch_lines_leave_room_for_live_requests(make_cluster: Callable[..., Ab
         assert 2 <= busiest <= 8 - 2 + 1, busiest  # six lines at most, and the one live request
         assert queued == 0
         assert live and all(status == 200 and pool == "team" for status, pool, _ in live)
-        assert cluster.metric("specroute_queue_wait_seconds_bucket", pool="team", job="batch", le="0.01") == (
-            cluster.metric("specroute_queue_wait_seconds_count", pool="team", job="batch")
+        assert cluster.metric("specroute_queue_wait_seconds_bucket", pool="team", job_class="batch", le="0.01") == (
+            cluster.metric("specroute_queue_wait_seconds_count", pool="team", job_class="batch")
         )
 
 
@@ -396,7 +398,7 @@ def test_batch_lines_are_trusted_without_opening_overrides_to_clients(
         assert len(cluster.team.requests) == 3
         assert (
             cluster.metric(
-                "specroute_route_decisions_total", job="batch", pool="team", reason="header", content="prose"
+                "specroute_route_decisions_total", job_class="batch", pool="team", reason="header", content="prose"
             )
             == 3
         )
