@@ -249,6 +249,9 @@ class MetricsConfig(_Model):
 class Batch(_Model):
     """The Batch API (`/v1/files`, `/v1/batches`): where its state lives and how hard it may push."""
 
+    # false: no /v1/files or /v1/batches of the router's own (they are forwarded like any POST).
+    # Read once at start, as is store_dir.
+    enabled: bool = True
     # SQLite database (WAL) holding the files, batches and every line's result; relative to the
     # working directory. Read once at start: changing it needs a restart.
     store_dir: str = "specroute-batches"

@@ -42,6 +42,7 @@ _NEEDS_RESTART = (
     "limits.request_headers",
     "limits.max_connections",
     "batch.store_dir",
+    "batch.enabled",
 )
 
 

@@ -518,3 +518,28 @@ def test_the_speculative_pools_idle_room_only_when_allowed(
         cluster.team.healthy = True
         assert _finished(client, batch.id).request_counts.completed == 30
         assert len(cluster.team.requests) == 30 and not cluster.fast.requests
+
+
+def test_a_store_that_cannot_be_opened_leaves_live_traffic_served(
+    tmp_path: Path, make_cluster: Callable[..., AbstractContextManager[Cluster]]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with make_cluster(batch={"store_dir": str(blocker / "store")}) as cluster:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        assert client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}]).choices
+        answer = httpx.get(cluster.base_url + "/batches")
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "batch_store_unavailable"
+        assert answer.headers["retry-after"] == "60"
+        status = httpx.get(cluster.router.url + "/router/status").json()["batches"]
+        assert status["store"] is None and "a-file" in status["store_error"]
+
+
+def test_disabled_the_batch_paths_are_forwarded_like_any_post(
+    tmp_path: Path, make_cluster: Callable[..., AbstractContextManager[Cluster]]
+) -> None:
+    with make_cluster(batch={"enabled": False, "store_dir": str(tmp_path / "store")}) as cluster:
+        answer = httpx.post(cluster.base_url + "/batches", json={"model": "test-model"})
+        assert answer.status_code == 404 and answer.headers["x-route-pool"]  # the engine's own 404
+        assert httpx.get(cluster.router.url + "/router/status").json()["batches"]["enabled"] is False
+    assert not (tmp_path / "store").exists()

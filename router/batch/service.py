@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import sqlite3
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -14,11 +16,15 @@ from router.batch.metrics import BatchMetrics
 from router.batch.runner import Runner
 from router.batch.store import SqliteStore, Store
 from router.config import Batch as BatchConfig
+from router.errors import NoBackendAvailable
 
 if TYPE_CHECKING:
     from starlette.routing import BaseRoute
 
     from router.runtime import Router
+
+
+logger = logging.getLogger("specroute.batch")
 
 
 class BatchService:
@@ -29,6 +35,8 @@ class BatchService:
         self._store: Store | None = None
         self._runner: Runner | None = None
         self._task: asyncio.Task[None] | None = None
+        self._enabled = router.settings.batch.enabled  # read once, like the store's directory
+        self._unavailable: str | None = None  # why the store could not be opened
 
     @property
     def config(self) -> BatchConfig:
@@ -36,7 +44,12 @@ class BatchService:
 
     @property
     def store(self) -> Store:
-        assert self._store is not None, "the batch store opens with the app's lifespan"
+        if self._store is None:
+            raise NoBackendAvailable(
+                f"the batch store is not available: {self._unavailable or 'not open yet'}",
+                retry_after=60,
+                code="batch_store_unavailable",
+            )
         return self._store
 
     @property
@@ -48,12 +61,21 @@ class BatchService:
         return int(self._clock())
 
     def routes(self) -> list[BaseRoute]:
-        return batch_routes(self)
+        return batch_routes(self) if self._enabled else []
 
     async def start(self) -> None:
-        """Open the store and run every batch left unfinished, by this router or a previous one."""
+        """Open the store and run every batch left unfinished, by this router or a previous one.
+        A store that cannot be opened leaves the router serving live traffic, and the Batch API
+        answering 503 `batch_store_unavailable`."""
+        if not self._enabled:
+            return
         directory = self.config.store_dir  # read once: a reload cannot move the store
-        self._store = await anyio.to_thread.run_sync(SqliteStore, directory)
+        try:
+            self._store = await anyio.to_thread.run_sync(SqliteStore, directory)
+        except (OSError, sqlite3.Error, RuntimeError) as exc:
+            self._unavailable = f"{directory}: {exc}"
+            logger.error("batch store not opened, the Batch API answers 503 (batch.store_dir): %s", self._unavailable)
+            return
         self._runner = runner = Runner(self.router, self._store, self.metrics, clock=self._clock)
         self.metrics.in_flight = lambda: runner.in_flight
         self._task = asyncio.create_task(runner.run())
@@ -70,7 +92,9 @@ class BatchService:
         """For /router/status: the batches under way and how hard they are pushed."""
         runner = self._runner
         return {
-            "store": str(getattr(self._store, "path", None)),
+            "enabled": self._enabled,
+            "store": str(getattr(self._store, "path", None)) if self._store is not None else None,
+            "store_error": self._unavailable,
             "by_status": self.metrics.by_status,
             "concurrency_limit": runner.limit if runner else 0,
             "in_flight": runner.in_flight if runner else 0,
