@@ -95,7 +95,8 @@ def test_a_client_that_disconnects_is_aborted_in_the_engine(cluster: RealCluster
     )
     for _, _chunk in zip(range(5), stream, strict=False):
         pass
-    assert cluster.team.metric("vllm:num_requests_running") == 1
+    # vLLM updates its gauges from the engine's step loop: a moment after the first chunks.
+    wait_for(lambda: cluster.team.metric("vllm:num_requests_running") == 1, timeout=10, what="team engine running it")
     stream.close()  # the client goes away mid-stream
 
     wait_for(lambda: cluster.team.metric("vllm:num_requests_running") == 0, timeout=10, what="team engine idle")
