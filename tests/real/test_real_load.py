@@ -96,7 +96,12 @@ def test_a_client_that_disconnects_is_aborted_in_the_engine(cluster: RealCluster
     for _, _chunk in zip(range(5), stream, strict=False):
         pass
     # vLLM updates its gauges from the engine's step loop: a moment after the first chunks.
-    wait_for(lambda: cluster.team.metric("vllm:num_requests_running") == 1, timeout=10, what="team engine running it")
+    wait_for(
+        lambda: cluster.team.metric("vllm:num_requests_running") == 1,
+        timeout=10,
+        what=lambda: "team engine running it; running on team, fast: "
+        f"{cluster.team.metric('vllm:num_requests_running')}, {cluster.fast.metric('vllm:num_requests_running')}",
+    )
     stream.close()  # the client goes away mid-stream
 
     wait_for(lambda: cluster.team.metric("vllm:num_requests_running") == 0, timeout=10, what="team engine idle")
