@@ -73,7 +73,7 @@ def create_app(
             await batches.stop()
             for task in tasks:
                 task.cancel()
-            await router.upstream.aclose()
+            await router.transport.aclose()
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -7,8 +7,10 @@ environment variable can reach any of them, e.g. `SPECROUTE_POOLS__FAST__SPECULA
 from __future__ import annotations
 
 import os
+import ssl
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -52,6 +54,12 @@ class Backend(_Model):
     def _http_url(cls, value: str) -> str:
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
+        if "@" in urlsplit(value).netloc:
+            # Never echoed: the message must not carry the password.
+            raise ValueError(
+                "must not hold a user name or password (user:pass@); give the engine's key in the "
+                "environment variable named by api_key_env"
+            )
         # The engine's root: request paths such as /v1/chat/completions are appended to it.
         return value.rstrip("/").removesuffix("/v1")
 
@@ -191,6 +199,27 @@ class Tls(_Model):
     client_key: str | None = None
     # false: do not verify the engines' certificates at all (named explicitly; never the default).
     verify: bool = True
+
+    @model_validator(mode="after")
+    def _files_load(self) -> Tls:
+        if self.client_key is not None and self.client_cert is None:
+            raise ValueError("client_key needs client_cert")
+        if self.ca_bundle is not None or self.client_cert is not None:
+            try:
+                self.context()  # a file that is missing or not PEM is found now, not at the first request
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"cannot load the CA bundle or client certificate: {exc}") from exc
+        return self
+
+    def context(self) -> ssl.SSLContext:
+        """How engines served over https are checked."""
+        context = ssl.create_default_context(cafile=self.ca_bundle)
+        if not self.verify:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        if self.client_cert is not None:
+            context.load_cert_chain(self.client_cert, self.client_key)
+        return context
 
 
 class Health(_Model):

@@ -18,7 +18,10 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-_SET_BY_PROXY = frozenset({"host", "content-length", "accept-encoding", "authorization", "x-request-id"})
+# `Expect: 100-continue` is answered by the router's own server; an engine asked for it would send
+# a 100 that has nothing to do with the router's request.
+_SET_BY_PROXY = frozenset({"host", "content-length", "accept-encoding", "authorization", "x-request-id", "expect"})
+# The body reaches the client decoded (see the transport), so its coding and length are not the engine's.
 _NOT_RETURNED = frozenset({"content-length", "content-encoding", "server", "date", "x-request-id"})
 
 
@@ -34,7 +37,7 @@ def request_headers(
     request_id: str,
     api_key: str | None,
     forward_authorization: bool,
-) -> list[tuple[bytes, bytes]]:
+) -> list[tuple[str, str]]:
     """Headers for the upstream request, from the client's (lower-cased) headers."""
     skip = HOP_BY_HOP | _SET_BY_PROXY | drop | _connection_tokens(client.get("connection"))
     headers = {name: value for name, value in client.items() if name not in skip}
@@ -45,7 +48,7 @@ def request_headers(
         headers["authorization"] = f"Bearer {api_key}"
     elif forward_authorization and "authorization" in client:
         headers["authorization"] = client["authorization"]
-    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+    return list(headers.items())
 
 
 def response_headers(upstream: Iterable[tuple[bytes, bytes]], route: Mapping[str, str]) -> list[tuple[bytes, bytes]]:

@@ -8,18 +8,22 @@ out its ejection time first.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from router.config import Health
 from router.pools import Backend, Pools
-from router.upstream import TransportError, UpstreamPool
+from router.transport import TlsError, Transport, TransportError
+
+logger = logging.getLogger("specroute")
 
 
 class HealthChecker:
-    def __init__(self, pools: Pools, upstream: UpstreamPool, config: Health) -> None:
+    def __init__(self, pools: Pools, transport: Transport, config: Health) -> None:
         self._pools = pools
-        self._upstream = upstream
+        self._transport = transport
         self.config = config  # replaced on a reload
+        self._tls_failing: set[str] = set()  # backends whose TLS failure is logged already
 
     async def run(self) -> None:
         while True:
@@ -36,8 +40,15 @@ class HealthChecker:
         # Probes go straight to the engine: they are not requests, and count in no metric.
         try:
             async with asyncio.timeout(self.config.timeout):
-                status, _ = await self._upstream.get(backend.url + "/health")
+                status, _ = await self._transport.get(backend.url + "/health")
             ok = status == 200
+        except TlsError as exc:
+            ok = False
+            if backend.name not in self._tls_failing:  # once, not every interval
+                self._tls_failing.add(backend.name)
+                logger.warning("backend %r fails its health check: %s", backend.name, exc)
         except (TransportError, TimeoutError):
             ok = False
+        else:
+            self._tls_failing.discard(backend.name)
         backend.probed(ok, time.monotonic(), self.config, first=first)

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from router.pools import Backend, Pools
-from router.upstream import TransportError, UpstreamPool
+from router.transport import Transport, TransportError
 
 # How often the background refresh asks the backends; a model added to an engine is counted
 # under its own name from then on (before that, as `other`).
@@ -20,9 +20,9 @@ REFRESH_SECONDS = 30.0
 
 
 class ModelCatalog:
-    def __init__(self, pools: Pools, upstream: UpstreamPool, *, ttl: float, timeout: float) -> None:
+    def __init__(self, pools: Pools, transport: Transport, *, ttl: float, timeout: float) -> None:
         self._pools = pools
-        self._upstream = upstream
+        self._transport = transport
         self._lock = asyncio.Lock()
         self.known: frozenset[str] = frozenset()  # every model id seen since start (never shrinks)
         self.configure(ttl=ttl, timeout=timeout)
@@ -63,7 +63,7 @@ class ModelCatalog:
     async def _list(self, backend: Backend) -> list[dict[str, Any]]:
         try:
             async with asyncio.timeout(self._timeout):
-                status, body = await self._upstream.get(backend.url + "/v1/models", headers=backend.auth_headers)
+                status, body = await self._transport.get(backend.url + "/v1/models", headers=backend.auth_headers)
             data = json.loads(body).get("data", []) if status == 200 else []
         except (TransportError, TimeoutError, ValueError, AttributeError):
             return []  # an unreachable backend contributes nothing; /readyz reports it

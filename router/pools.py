@@ -176,9 +176,9 @@ class Backend:
         return self.in_flight / self.max_concurrency
 
     @property
-    def auth_headers(self) -> list[tuple[bytes, bytes]]:
+    def auth_headers(self) -> list[tuple[str, str]]:
         """The engine's own key, for the router's requests to it (models, metrics)."""
-        return [(b"authorization", f"Bearer {self.api_key}".encode())] if self.api_key else []
+        return [("authorization", f"Bearer {self.api_key}")] if self.api_key else []
 
     def probed(self, ok: bool, now: float, config: HealthConfig, *, first: bool = False) -> None:
         """An active health check's result; `first` (at start-up) decides at once."""

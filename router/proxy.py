@@ -45,8 +45,19 @@ from router.metrics import Metrics
 from router.payload import parse_json
 from router.policy import Decision, Policy
 from router.pools import Backend, Clients, Pools
-from router.upstream import ConnectError, ReadTimeout, TransportError, UpstreamPool, UpstreamResponse
+from router.transport import (
+    ConnectError,
+    HeadLimits,
+    ReadTimeout,
+    Response,
+    Timeouts,
+    TlsError,
+    TooLarge,
+    Transport,
+    TransportError,
+)
 
+logger = logging.getLogger("specroute")
 access_log = logging.getLogger("specroute.access")
 T = TypeVar("T")
 
@@ -104,14 +115,14 @@ class Proxy:
         clients: Clients,
         speeds: SpeedModel,
         metrics: Metrics,
-        upstream: UpstreamPool,
+        transport: Transport,
         auth: Auth,
     ) -> None:
         self._pools = pools
         self._clients = clients
         self._speeds = speeds
         self._metrics = metrics
-        self._upstream = upstream
+        self._transport = transport
         self._retrying = 0  # attempts under way that are retries, for the retry budget
         self._serving: set[anyio.CancelScope] = set()  # one per request being served
         self.configure(settings, auth)
@@ -318,7 +329,6 @@ class Proxy:
     async def _forward(
         self, send: Send, call: Call, backend: Backend, body: bytes, drop_usage_chunk: bool, *, may_retry: bool
     ) -> None:
-        url = backend.url + call.target
         headers = request_headers(
             call.headers,
             drop=self._override_headers,
@@ -326,12 +336,20 @@ class Proxy:
             api_key=backend.api_key,
             forward_authorization=self._settings.forward_client_authorization,
         )
+        timeouts, limits = self._settings.timeouts, self._settings.limits
         try:
-            response = await self._upstream.request(url, headers=headers, body=body)
+            response = await self._transport.request(
+                backend.url,
+                call.target,
+                headers=headers,
+                body=body,
+                timeouts=Timeouts(connect=timeouts.connect, read=timeouts.read, idle=timeouts.idle),
+                limits=HeadLimits(head_bytes=limits.response_head_bytes, headers=limits.response_headers),
+            )
         except TransportError as exc:
             self._failed(backend, exc, may_retry=may_retry)
         try:
-            status = response.status_code
+            status = response.status
             call.status = status
             if status in _RETRYABLE_STATUS:
                 self._metrics.upstream_errors.labels(backend.pool, backend.name, f"http_{status}").inc()
@@ -348,7 +366,7 @@ class Proxy:
                 await self._relay_stream(send, response, drop_usage_chunk, call)
                 return
             try:
-                content = await response.read()  # nothing has gone to the client yet
+                content = await response.read(limit=limits.response_body_bytes)  # nothing has gone to the client yet
             except TransportError as exc:
                 self._failed(backend, exc, may_retry=may_retry)
             await self._relay_whole(send, response, content, content_type, call)
@@ -371,7 +389,7 @@ class Proxy:
         """A failure before any byte reached the client: retry it if allowed, else report it."""
         error, kind = self._upstream_failure(backend, exc)
         backend.request_failed(time.monotonic(), self._settings.health)
-        if may_retry:
+        if may_retry and not isinstance(exc, TooLarge):  # another engine would not be asked less
             self._metrics.retries.labels(backend.pool, backend.name, kind).inc()
             raise _Retry(error) from exc
         raise error from exc
@@ -399,9 +417,9 @@ class Proxy:
             call.decision = replace(call.decision, pool=target, reason=f"failover:{call.decision.pool}")
 
     async def _relay_whole(
-        self, send: Send, response: UpstreamResponse, content: bytes, content_type: bytes, call: Call
+        self, send: Send, response: Response, content: bytes, content_type: bytes, call: Call
     ) -> None:
-        if response.status_code < 400 and content_type.startswith(b"application/json"):
+        if response.status < 400 and content_type.startswith(b"application/json"):
             try:
                 usage = json.loads(content).get("usage")
             except (ValueError, AttributeError):
@@ -410,13 +428,13 @@ class Proxy:
             call.prompt_tokens = sse.prompt_tokens(usage)
         headers = response_headers(response.headers, self._route_headers(call))
         headers.append((b"content-length", str(len(content)).encode()))
-        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
 
-    async def _relay_stream(self, send: Send, response: UpstreamResponse, drop_usage_chunk: bool, call: Call) -> None:
-        watch = sse.StreamWatch(drop_usage_chunk=drop_usage_chunk)
+    async def _relay_stream(self, send: Send, response: Response, drop_usage_chunk: bool, call: Call) -> None:
+        watch = sse.StreamWatch(drop_usage_chunk=drop_usage_chunk, max_event=self._settings.limits.sse_event_bytes)
         headers = response_headers(response.headers, self._route_headers(call))
-        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
         call.streaming = True
         # From here on a byte has gone to the client: nothing may be retried, failures end the
         # stream with an error event.
@@ -428,9 +446,10 @@ class Proxy:
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             tail = watch.flush()
-        except TransportError as exc:
+        except (TransportError, sse.EventTooLarge) as exc:
             assert call.backend is not None
-            error, _ = self._upstream_failure(call.backend, exc)
+            failure = exc if isinstance(exc, TransportError) else TooLarge(str(exc))
+            error, _ = self._upstream_failure(call.backend, failure)
             call.backend.request_failed(time.monotonic(), self._settings.health)
             call.status, call.code = error.status_code, error.code
             tail = error.event()
@@ -450,7 +469,11 @@ class Proxy:
     def _upstream_failure(self, backend: Backend, exc: TransportError) -> tuple[UpstreamError, str]:
         """The one place where the transport's exceptions become the router's: (error, kind)."""
         error: UpstreamError
-        if isinstance(exc, ConnectError):
+        if isinstance(exc, TlsError):
+            kind = "tls"
+            error = UpstreamError(f"backend {backend.name!r} failed the TLS handshake: {exc}", code="upstream_tls")
+            logger.warning("backend %r: %s", backend.name, exc)
+        elif isinstance(exc, ConnectError):
             kind = "connect"
             error = UpstreamError(f"backend {backend.name!r} is unreachable", code="upstream_unreachable")
         elif isinstance(exc, ReadTimeout):
@@ -458,7 +481,9 @@ class Proxy:
             error = UpstreamTimeout(f"backend {backend.name!r} timed out", code="upstream_timeout")
         else:
             kind = "protocol"
-            error = UpstreamError(f"backend {backend.name!r} failed: {type(exc).__name__}", code="upstream_failed")
+            # The limit broken is ours to name; aiohttp's own messages may quote the engine's bytes.
+            reason = str(exc) if isinstance(exc, TooLarge) else type(exc).__name__
+            error = UpstreamError(f"backend {backend.name!r} failed: {reason}", code="upstream_failed")
         self._metrics.upstream_errors.labels(backend.pool, backend.name, kind).inc()
         return error, kind
 

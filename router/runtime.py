@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
+from yarl import URL
 
 from router.auth import Auth
 from router.config import ConfigError, Settings, masked
@@ -25,7 +26,7 @@ from router.models import ModelCatalog
 from router.pools import Backend, Clients, Pools
 from router.proxy import Proxy
 from router.scrape import EngineScraper
-from router.upstream import UpstreamPool
+from router.transport import AiohttpTransport
 from router.version import BuildInfo, build_info
 
 logger = logging.getLogger("specroute")
@@ -70,11 +71,9 @@ class Router:
             known_models=self.known_models,
             acceptance_max_age=settings.scrape.acceptance_max_age,
         )
-        self.upstream = UpstreamPool(
-            connect_timeout=settings.timeouts.connect,
-            read_timeout=settings.timeouts.read,
-            idle_timeout=settings.timeouts.idle,
-            max_idle_per_origin=_max_concurrency(self.pools),
+        # One client for everything sent to the engines: requests, scrapes, probes, model lists.
+        self.transport = AiohttpTransport(
+            connections_per_origin=_connections_per_origin(self.pools), tls=settings.tls.context()
         )
         self.clients = Clients(
             memory=settings.classify.client_memory_seconds,
@@ -88,16 +87,16 @@ class Router:
             clients=self.clients,
             speeds=self.speeds,
             metrics=self.metrics,
-            upstream=self.upstream,
+            transport=self.transport,
             auth=self.auth,
         )
         self.catalog = ModelCatalog(
-            self.pools, self.upstream, ttl=settings.models_cache_seconds, timeout=settings.health.timeout
+            self.pools, self.transport, ttl=settings.models_cache_seconds, timeout=settings.health.timeout
         )
-        self.health = HealthChecker(self.pools, self.upstream, settings.health)
+        self.health = HealthChecker(self.pools, self.transport, settings.health)
         self.scraper = EngineScraper(
             self.pools,
-            self.upstream,
+            self.transport,
             interval=settings.scrape.interval,
             timeout=settings.scrape.timeout,
             stale_after=settings.scrape.stale_after,
@@ -147,10 +146,10 @@ class Router:
             burst_hold=settings.classify.burst_hold_seconds,
             threshold=settings.classify.batch_inflight_threshold,
         )
-        self.upstream.connect_timeout = settings.timeouts.connect
-        self.upstream.read_timeout = settings.timeouts.read
-        self.upstream.idle_timeout = settings.timeouts.idle
-        self.upstream.max_idle = _max_concurrency(self.pools)
+        # Timeouts and limits go with each request, so they reach pooled connections too. A new TLS
+        # context starts new connections (pooled apart), so it is made only when `tls` changed.
+        tls = settings.tls.context() if settings.tls != self.settings.tls else self.transport.tls
+        self.transport.configure(connections_per_origin=_connections_per_origin(self.pools), tls=tls)
         self.metrics.configure(
             stale_after=settings.scrape.stale_after, acceptance_max_age=settings.scrape.acceptance_max_age
         )
@@ -195,9 +194,14 @@ def _trust(settings: Settings) -> Trust:
     return Trust(min_samples=learn.min_samples, max_interval=learn.max_interval, half_life=learn.half_life)
 
 
-def _max_concurrency(pools: Pools) -> int:
-    # The connection pool keeps as many idle connections per backend as may be busy at once.
-    return max((backend.max_concurrency for backend in pools.backends()), default=1)
+def _connections_per_origin(pools: Pools) -> int:
+    """As many connections to an engine as requests may be admitted to it (backends sharing an
+    origin add up)."""
+    per_origin: dict[str, int] = {}
+    for backend in pools.backends():
+        origin = str(URL(backend.url).origin())
+        per_origin[origin] = per_origin.get(origin, 0) + backend.max_concurrency
+    return max(per_origin.values(), default=1)
 
 
 def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.upstream import TransportError, UpstreamPool
+from router.transport import Transport, TransportError
 
 if TYPE_CHECKING:
     from router.pools import Backend, Pools
@@ -152,10 +152,10 @@ def engine_load(
 
 class EngineScraper:
     def __init__(
-        self, pools: Pools, upstream: UpstreamPool, *, interval: float, timeout: float, stale_after: float
+        self, pools: Pools, transport: Transport, *, interval: float, timeout: float, stale_after: float
     ) -> None:
         self._pools = pools
-        self._upstream = upstream
+        self._transport = transport
         self.interval = interval  # all three replaced on a reload
         self.timeout = timeout
         self.stale_after = stale_after
@@ -173,7 +173,7 @@ class EngineScraper:
         sent_before = backend.in_flight
         try:
             async with asyncio.timeout(self.timeout):
-                status, body = await self._upstream.get(backend.url + "/metrics", headers=backend.auth_headers)
+                status, body = await self._transport.get(backend.url + "/metrics", headers=backend.auth_headers)
             if status != 200:
                 raise ValueError(f"/metrics answered {status}")
             values = parse(body.decode("utf-8", "replace"))

@@ -12,35 +12,53 @@ import json
 from typing import Any
 
 _SEPARATORS = (b"\n\n", b"\r\n\r\n")
+_OVERLAP = 3  # bytes of a separator that may sit at the end of the previous chunk
+
+
+class EventTooLarge(ValueError):
+    """An event grew past the size limit before its end arrived."""
 
 
 class StreamWatch:
-    def __init__(self, *, drop_usage_chunk: bool) -> None:
+    def __init__(self, *, drop_usage_chunk: bool, max_event: int | None = None) -> None:
         # True when the router asked for usage on the client's behalf: the extra chunk is ours.
         self._drop_usage_chunk = drop_usage_chunk
-        self._partial = b""
+        self._max_event = max_event
+        # The start of an event whose end has not come yet, as it arrived: joined once, when it
+        # ends, so a long event costs time and memory in proportion to its size.
+        self._pending: list[bytes] = []
+        self._pending_size = 0
         self.saw_content = False
         self.usage: dict[str, Any] | None = None
         self.error: str | None = None  # the message of an in-stream error event, if one came
 
     def feed(self, chunk: bytes) -> bytes:
         """Take bytes from upstream; return the bytes to send on to the client now."""
-        if self.saw_content and not self._partial and chunk.endswith(b"\n\n") and not _notable(chunk):
+        if self.saw_content and not self._pending and chunk.endswith(b"\n\n") and not _notable(chunk):
             return chunk  # the common case once streaming: whole events, nothing to look at
-        data = self._partial + chunk
-        end = _last_boundary(data)
-        if end < 0:
-            self._partial = data
+        # A separator may begin in the bytes already held: look at their last few and the new ones.
+        overlap = self._pending[-1][-_OVERLAP:] if self._pending else b""
+        end = _last_boundary(overlap + chunk) - len(overlap)
+        if end <= 0:
+            self._pending.append(chunk)
+            self._pending_size += len(chunk)
+            if self._max_event is not None and self._pending_size > self._max_event:
+                raise EventTooLarge(f"a server-sent event is over the {self._max_event} byte limit")
             return b""
-        self._partial = data[end:]
-        complete = data[:end]
+        complete = b"".join([*self._pending, chunk[:end]]) if self._pending else chunk[:end]
+        rest = chunk[end:]
+        self._pending = [rest] if rest else []
+        self._pending_size = len(rest)
+        if self._max_event is not None and self._pending_size > self._max_event:
+            raise EventTooLarge(f"a server-sent event is over the {self._max_event} byte limit")
         if self.saw_content and not _notable(complete):
             return complete
         return b"".join(self._inspect(event) for event in _events(complete))
 
     def flush(self) -> bytes:
         """What remains when the upstream ends: an unterminated last event, passed on as is."""
-        rest, self._partial = self._partial, b""
+        rest = b"".join(self._pending)
+        self._pending, self._pending_size = [], 0
         return self._inspect(rest) if rest else b""
 
     def _inspect(self, event: bytes) -> bytes:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import threading
 import time
 
 import pytest
+from router.transport import AiohttpTransport, HeadLimits, Timeouts
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
@@ -18,7 +20,6 @@ from router.pools import Pools
 from router.scrape import EngineScraper, engine_load, parse
 from router.sim.profile import load_profile
 from router.sim.server import create_sim_app
-from router.upstream import UpstreamPool
 from tests.servers import ServerThread
 
 # As vLLM's V1 engine writes it (two data-parallel engines), trimmed to the families we read plus
@@ -134,7 +135,7 @@ def test_scraper_reads_a_simulated_engine_over_http() -> None:
         pools = Pools(settings)
 
         async def scenario() -> None:
-            upstream = UpstreamPool(connect_timeout=1, read_timeout=5)
+            upstream = AiohttpTransport(connections_per_origin=64, tls=ssl.create_default_context())
             scraper = EngineScraper(pools, upstream, interval=0.05, timeout=1, stale_after=5)
             await scraper.scrape_all()
             # The engine states its capacity before any load: 2,097,152 tokens of KV cache, each
@@ -144,7 +145,16 @@ def test_scraper_reads_a_simulated_engine_over_http() -> None:
                 {"model": fast.model, "prompt": "def f(x):\n    return x", "max_tokens": 512, "ignore_eos": True}
             ).encode()
             requests = [
-                asyncio.create_task(upstream.request(engine.url + "/v1/completions", headers=[], body=body))
+                asyncio.create_task(
+                    upstream.request(
+                        engine.url,
+                        "/v1/completions",
+                        headers=[],
+                        body=body,
+                        timeouts=Timeouts(connect=1, read=5, idle=5),
+                        limits=HeadLimits(head_bytes=65536, headers=100),
+                    )
+                )
                 for _ in range(30)
             ]
             await asyncio.sleep(0.3)
@@ -183,7 +193,7 @@ def test_a_request_sent_while_a_scrape_is_out_counts_on_top_of_its_reading() -> 
         pool = pools["fast"]
 
         async def scenario() -> int:
-            upstream = UpstreamPool(connect_timeout=1, read_timeout=5)
+            upstream = AiohttpTransport(connections_per_origin=64, tls=ssl.create_default_context())
             scraper = EngineScraper(pools, upstream, interval=1, timeout=5, stale_after=5)
             scrape = asyncio.create_task(scraper.scrape_all())
             await asyncio.to_thread(asked.wait, 5)

@@ -1,8 +1,8 @@
 """The load generator: streaming requests against any OpenAI-compatible `base_url`.
 
-Each request is a streamed chat completion, sent with the router's own upstream client and read
-with its stream watcher: the official SDK's per-chunk objects, or httpx's connection pool, would
-cost more CPU at 256 streams than the target being measured. Per request it records the time to
+Each request is a streamed chat completion, sent with aiohttp's client and read with the router's
+stream watcher: the official SDK's per-chunk objects, or httpx's connection pool, would cost more
+CPU at 256 streams than the target being measured. Per request it records the time to
 the first chunk that carries generated text, the completion tokens the server reports in
 `usage`, the duration and the status.
 
@@ -17,10 +17,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
+
 from router.content import ContentKind
 from router.prompts import prompts
 from router.sse import StreamWatch, prompt_tokens
-from router.upstream import TransportError, UpstreamPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,14 +75,25 @@ class Load:
     def __init__(self, target: Target, *, max_connections: int = 512) -> None:
         self.target = target
         self.records: list[Record] = []
-        # A round of the note waits minutes for a first token: no read timeout worth having.
-        self._client = UpstreamPool(connect_timeout=10, read_timeout=3600, max_idle_per_origin=max_connections)
+        self._max_connections = max_connections
+        self._client: aiohttp.ClientSession | None = None  # made in the running event loop
         self._url = target.base_url.rstrip("/") + "/chat/completions"
         self._origin = time.perf_counter()
         self._counter = 0
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._client is not None:
+            await self._client.close()
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._client is None:
+            self._client = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                # A round of the note waits minutes for a first token: no read timeout worth having.
+                timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=3600),
+                auto_decompress=False,
+            )
+        return self._client
 
     def now(self) -> float:
         """Real-time seconds since the run began."""
@@ -110,24 +122,22 @@ class Load:
     async def request(self, job: Job) -> Record:
         record = Record(job.label, self.now())
         self.records.append(record)
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"authorization", f"Bearer {job.api_key or self.target.api_key}".encode()),
-            *((name.encode(), value.encode()) for name, value in job.headers.items()),
-        ]
+        headers = {
+            "content-type": "application/json",
+            "authorization": f"Bearer {job.api_key or self.target.api_key}",
+            **job.headers,
+        }
         body = json.dumps(self._body(job)).encode()
         started = time.perf_counter()
         try:
-            response = await self._client.request(self._url, headers=headers, body=body)
-            try:
-                record.status = response.status_code
-                pool = response.header(b"x-route-pool")
-                record.pool = pool.decode() if pool else None
-                if response.status_code != 200:
+            async with self._session().post(self._url, headers=headers, data=body) as response:
+                record.status = response.status
+                record.pool = response.headers.get("x-route-pool")
+                if response.status != 200:
                     record.error = (await response.read())[:200].decode(errors="replace")
                     return record
                 watch = StreamWatch(drop_usage_chunk=False)
-                async for chunk in response.iter_raw():
+                async for chunk in response.content.iter_any():
                     watch.feed(chunk)
                     if record.ttft is None and watch.saw_content:
                         record.ttft = (time.perf_counter() - started) * self.target.time_scale
@@ -135,9 +145,7 @@ class Load:
                 record.error = watch.error
                 record.tokens = watch.completion_tokens or 0
                 record.prompt_tokens = prompt_tokens(watch.usage) or 0
-            finally:
-                await response.aclose()
-        except TransportError as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         finally:
             record.duration = (time.perf_counter() - started) * self.target.time_scale

@@ -1,17 +1,32 @@
-"""The engines' HTTP client against raw servers on loopback that send exactly the bytes we choose."""
+"""The transport to the engines, against raw servers on loopback that send exactly the bytes we
+choose; and, through a whole router, that its timeouts are given per request."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+import yaml
 
-from router.upstream import ConnectError, ReadTimeout, RemoteProtocolError, UpstreamPool
+from router.transport import (
+    AiohttpTransport,
+    ConnectError,
+    HeadLimits,
+    ReadTimeout,
+    RemoteProtocolError,
+    Timeouts,
+    Transport,
+)
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+LIMITS = HeadLimits(head_bytes=65536, headers=100)
 
 
 @asynccontextmanager
@@ -39,14 +54,21 @@ async def raw_server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
 
 async def read_request(reader: asyncio.StreamReader) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
-    )
-    return head + await reader.readexactly(length)
+    lengths = [int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
+    return head + await reader.readexactly(lengths[0] if lengths else 0)
 
 
-def _pool(read_timeout: float = 2.0) -> UpstreamPool:
-    return UpstreamPool(connect_timeout=1.0, read_timeout=read_timeout)
+def _transport() -> AiohttpTransport:
+    return AiohttpTransport(connections_per_origin=8, tls=ssl.create_default_context())
+
+
+def _timeouts(read: float = 2.0) -> Timeouts:
+    return Timeouts(connect=1.0, read=read, idle=read)
+
+
+async def _post(transport: Transport, url: str, target: str = "/", **options: Any) -> Any:
+    options.setdefault("timeouts", _timeouts())
+    return await transport.request(url, target, headers=options.pop("headers", []), limits=LIMITS, **options)
 
 
 @pytest.mark.anyio
@@ -65,20 +87,39 @@ async def test_chunked_stream_arrives_in_pieces_and_connection_is_reused() -> No
             await writer.drain()
 
     async with raw_server(handler) as (url, accepted):
-        pool = _pool()
+        transport = _transport()
         for _ in range(2):
-            response = await pool.request(url + "/v1/x?a=1", headers=[(b"x-test", b"1")], body=b'{"k": 1}')
-            assert response.status_code == 200
+            response = await _post(transport, url, "/v1/x?a=1", headers=[("x-test", "1")], body=b'{"k": 1}')
+            assert response.status == 200
             assert response.header(b"content-type") == b"text/event-stream"
             pieces = [piece async for piece in response.iter_raw()]
             assert b"".join(pieces) == b"data: 1\n\ndata: 2\n\n"
             assert len(pieces) == 2  # delivered as they came, not gathered
             await response.aclose()
         assert accepted == [1]  # one connection, kept alive
-        assert pool.in_use == 0
-        await pool.aclose()
+        await transport.aclose()
     assert seen[0].startswith(b"POST /v1/x?a=1 HTTP/1.1\r\n")
-    assert b"x-test: 1\r\n" in seen[0] and seen[0].endswith(b'\r\n\r\n{"k": 1}')
+    head = seen[0].lower()
+    assert b"x-test: 1\r\n" in head and seen[0].endswith(b'\r\n\r\n{"k": 1}')
+    # Only what the router chose: no user agent, accept or content type of aiohttp's own.
+    assert b"user-agent" not in head and b"accept" not in head and b"content-type" not in head
+
+
+@pytest.mark.anyio
+async def test_the_request_target_goes_on_the_request_line_byte_for_byte() -> None:
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+
+    target = "/v1/%2e%2e/a%2Fb/./c?x=%3F&y=a+b&z=%25"
+    async with raw_server(handler) as (url, _):
+        transport = _transport()
+        await (await _post(transport, url, target)).aclose()
+        await transport.aclose()
+    assert seen[0].startswith(b"POST " + target.encode() + b" HTTP/1.1\r\n")
 
 
 @pytest.mark.anyio
@@ -89,10 +130,9 @@ async def test_content_length_body_and_get() -> None:
         await writer.drain()
 
     async with raw_server(handler) as (url, _):
-        pool = _pool()
-        assert await pool.get(url + "/health") == (404, b"nope!")
-        assert pool.in_use == 0
-        await pool.aclose()
+        transport = _transport()
+        assert await transport.get(url + "/health") == (404, b"nope!")
+        await transport.aclose()
 
 
 @pytest.mark.anyio
@@ -103,8 +143,8 @@ async def test_connection_closed_mid_body_is_a_protocol_error_after_the_bytes_th
         await writer.drain()
 
     async with raw_server(handler) as (url, _):
-        pool = _pool()
-        response = await pool.request(url, headers=[])
+        transport = _transport()
+        response = await _post(transport, url)
         received: list[bytes] = []
 
         async def drain() -> None:
@@ -115,12 +155,11 @@ async def test_connection_closed_mid_body_is_a_protocol_error_after_the_bytes_th
             await drain()
         assert received == [b"data: 1\n\n"]
         await response.aclose()
-        assert pool.in_use == 0
-        await pool.aclose()
+        await transport.aclose()
 
 
 @pytest.mark.anyio
-async def test_silence_is_a_read_timeout_before_and_between_chunks() -> None:
+async def test_silence_is_a_read_timeout_before_the_head_and_an_idle_timeout_between_chunks() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         await asyncio.sleep(5)
@@ -131,17 +170,17 @@ async def test_silence_is_a_read_timeout_before_and_between_chunks() -> None:
         await writer.drain()
         await asyncio.sleep(5)
 
-    pool = _pool(read_timeout=0.2)
+    transport = _transport()
     async with raw_server(silent) as (url, _):
         with pytest.raises(ReadTimeout):
-            await pool.request(url, headers=[])
+            await _post(transport, url, timeouts=Timeouts(connect=1, read=0.2, idle=10))
     async with raw_server(stalls) as (url, _):
-        response = await pool.request(url, headers=[])
+        # A long read timeout (the head came at once), a short idle one: the idle one ends it.
+        response = await _post(transport, url, timeouts=Timeouts(connect=1, read=10, idle=0.2))
         with pytest.raises(ReadTimeout):
             [piece async for piece in response.iter_raw()]
         await response.aclose()
-    assert pool.in_use == 0
-    await pool.aclose()
+    await transport.aclose()
 
 
 @pytest.mark.anyio
@@ -149,8 +188,10 @@ async def test_refused_connection_is_a_connect_error() -> None:
     with socket.socket() as placeholder:
         placeholder.bind(("127.0.0.1", 0))
         port = placeholder.getsockname()[1]
+        transport = _transport()
         with pytest.raises(ConnectError):
-            await _pool().request(f"http://127.0.0.1:{port}/", headers=[])
+            await _post(transport, f"http://127.0.0.1:{port}")
+        await transport.aclose()
 
 
 @pytest.mark.anyio
@@ -162,8 +203,10 @@ async def test_garbage_is_a_protocol_error() -> None:
         await asyncio.sleep(1)
 
     async with raw_server(handler) as (url, _):
+        transport = _transport()
         with pytest.raises(RemoteProtocolError):
-            await _pool().request(url, headers=[])
+            await _post(transport, url)
+        await transport.aclose()
 
 
 @pytest.mark.anyio
@@ -178,23 +221,26 @@ async def test_abandoned_response_closes_its_connection() -> None:
         closed.set()
 
     async with raw_server(handler) as (url, accepted):
-        pool = _pool()
-        response = await pool.request(url, headers=[])
+        transport = _transport()
+        response = await _post(transport, url)
         async for _ in response.iter_raw():
             break
         await response.aclose()  # not read to the end: the engine must see the connection go
-        await asyncio.wait_for(closed.wait(), 1)
-        assert pool.in_use == 0
+        await asyncio.wait_for(closed.wait(), 5)
         # The next request cannot reuse it and opens a new connection.
-        task = asyncio.create_task(pool.request(url, headers=[]))
-        await asyncio.sleep(0.1)
-        assert accepted == [1, 1]
+        task = asyncio.create_task(_post(transport, url))
+        while len(accepted) < 2:
+            await asyncio.sleep(0.005)
         task.cancel()
-        await pool.aclose()
+        await asyncio.gather(task, return_exceptions=True)
+        await transport.aclose()
 
 
 @pytest.mark.anyio
-async def test_stale_keep_alive_connection_is_replaced_transparently() -> None:
+async def test_a_get_on_a_stale_keep_alive_connection_is_replaced() -> None:
+    """GETs are idempotent: aiohttp sends one again on a new connection when a pooled one turns
+    out closed (RFC 9112 §9.3.1). POSTs never are: see tests/test_hostile_engine.py."""
+
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         # Claims keep-alive, then closes as soon as the response is out.
@@ -202,9 +248,39 @@ async def test_stale_keep_alive_connection_is_replaced_transparently() -> None:
         await writer.drain()
 
     async with raw_server(handler) as (url, accepted):
-        pool = _pool()
-        assert await pool.get(url) == (200, b"ok")
-        await asyncio.sleep(0.05)  # the server has closed the idle connection by now
-        assert await pool.get(url) == (200, b"ok")
+        transport = _transport()
+        assert await transport.get(url) == (200, b"ok")
+        assert await transport.get(url) == (200, b"ok")
         assert accepted == [1, 1]
-        await pool.aclose()
+        await transport.aclose()
+
+
+def test_a_reload_reaches_pooled_connections(
+    tmp_path: Path, make_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Timeouts go with each request: after a reload from a 5 s to a 0.3 s read timeout, a request
+    on a connection pooled before the reload and one on a new connection both time out."""
+    config = tmp_path / "router.yaml"
+    monkeypatch.setenv("SPECROUTE_TEST_ADMIN_KEY", "admin-secret")
+    settings = {
+        "timeouts": {"read": 5.0},
+        "retries": {"attempts": 1},
+        "auth": {"admin_key_env": "SPECROUTE_TEST_ADMIN_KEY"},
+    }
+    with make_cluster(config_file=config, **settings) as cluster:
+        chat = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        url = cluster.base_url + "/chat/completions"
+        headers = {"X-Route-Pool": "fast"}
+        cluster.fast.first_token_delay = 1.0
+        assert httpx.post(url, json=chat, headers=headers, timeout=10).status_code == 200  # pools a connection
+        data = yaml.safe_load(config.read_text())
+        data["timeouts"] = {"read": 0.3}
+        config.write_text(yaml.safe_dump(data))
+        admin = httpx.post(
+            cluster.router.url + "/admin/reload", headers={"authorization": "Bearer admin-secret"}, timeout=10
+        )
+        assert admin.status_code == 200, admin.text
+        both = [httpx.post(url, json=chat, headers=headers, timeout=10) for _ in range(2)]
+        # The second is sent while the first's engine request is still running: a new connection.
+        assert [r.status_code for r in both] == [504, 504]
+        assert {r.json()["error"]["code"] for r in both} == {"upstream_timeout"}

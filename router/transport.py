@@ -1,0 +1,311 @@
+"""The seam between the router and the HTTP client that talks to the engines.
+
+`Transport` is what the proxy, the scraper, the health checks and `/v1/models` use; `AiohttpTransport`
+is the one implementation, over aiohttp's client (one session, one connection pool per router).
+Tests and the simulator may put another behind the same protocol. aiohttp's exceptions become
+the router's in exactly one place, `_translate`:
+
+    TransportError           (named as in HTTPX)
+    ├── ConnectError         could not connect (refused, unreachable, connect timeout)
+    │   └── TlsError         the TLS handshake failed (an untrusted certificate, a wrong name...)
+    ├── ReadTimeout          no response within the read timeout, or a body silent for the idle timeout
+    └── RemoteProtocolError  the connection broke, the response was not HTTP, or was a 101
+        └── TooLarge         a response head or body over its limit (`limits.*`)
+
+The transport never sends a request twice: aiohttp re-sends only idempotent methods (RFC 9112
+§9.3.1: the GETs of the health checks, the scraper and `/v1/models`), never a POST. A retry is
+the router's decision, counted in `specroute_retries_total`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import ssl
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.client_reqrep import ConnectionKey
+from aiohttp.connector import Connection
+from aiohttp.tracing import Trace
+from yarl import URL
+
+# Uvicorn (under vLLM and SGLang) closes a connection idle for 5 s. A pooled connection is
+# dropped sooner, so the router does not send a request on one the engine is just closing.
+KEEP_ALIVE_SECONDS = 4.0
+# Connections per origin beyond the requests admitted to it: the scraper, the health check and
+# /v1/models each hold one at most.
+_PROBE_CONNECTIONS = 3
+
+
+class TransportError(Exception):
+    pass
+
+
+class ConnectError(TransportError):
+    pass
+
+
+class TlsError(ConnectError):
+    pass
+
+
+class ReadTimeout(TransportError):
+    pass
+
+
+class RemoteProtocolError(TransportError):
+    pass
+
+
+class TooLarge(RemoteProtocolError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect: float | None  # to have a connection, from the pool or new
+    read: float | None  # until the response's head has arrived
+    idle: float | None  # silence between pieces of the body, once it has
+
+
+@dataclass(frozen=True, slots=True)
+class HeadLimits:
+    head_bytes: int  # status line and headers together
+    headers: int  # number of header fields
+
+
+# For the probes' GETs, whose callers bound them with `asyncio.timeout`.
+_UNBOUNDED = Timeouts(connect=None, read=None, idle=None)
+
+
+class Response(Protocol):
+    status: int
+    headers: Sequence[tuple[bytes, bytes]]  # as the engine sent them
+
+    def header(self, name: bytes) -> bytes | None: ...
+
+    def iter_raw(self) -> AsyncIterator[bytes]:
+        """The body (decoded from chunked transfer and any content coding), as it arrives."""
+        ...
+
+    async def read(self, *, limit: int) -> bytes:
+        """The whole body; TooLarge, without reading on, once it is over `limit` bytes."""
+        ...
+
+    async def aclose(self) -> None:
+        """Give the connection back if the body was read to the end; else close it."""
+        ...
+
+
+class Transport(Protocol):
+    async def request(
+        self,
+        base: str,
+        target: str,
+        *,
+        method: str = "POST",
+        headers: Sequence[tuple[str, str]],
+        body: bytes = b"",
+        timeouts: Timeouts,
+        limits: HeadLimits,
+    ) -> Response:
+        """Send a request to `base` (an engine's root URL); return once the response's head has
+        arrived. `target` (path and query) goes on the request line byte for byte: nothing
+        re-encodes or normalises it."""
+        ...
+
+    async def get(self, url: str, *, headers: Sequence[tuple[str, str]] = ()) -> tuple[int, bytes]:
+        """A small GET (health, metrics, models): its status and whole body. The caller bounds
+        its time (`asyncio.timeout`)."""
+        ...
+
+    tls: ssl.SSLContext
+
+    def configure(self, *, connections_per_origin: int, tls: ssl.SSLContext) -> None:
+        """(Re)loaded settings: the connection cap per origin and how engines' certificates are checked."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class _AiohttpResponse:
+    def __init__(self, response: aiohttp.ClientResponse, idle: float | None) -> None:
+        self._response = response
+        self.status = response.status
+        self.headers: Sequence[tuple[bytes, bytes]] = response.raw_headers
+        connection = response.connection
+        if connection is not None and connection.protocol is not None:
+            # The read timeout covered the wait for the head; from here silence is measured
+            # against the idle timeout (the next request on the connection sets its own).
+            connection.protocol.read_timeout = idle
+            connection.protocol.start_timeout()
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
+
+    async def iter_raw(self) -> AsyncIterator[bytes]:
+        content = self._response.content
+        while True:
+            with _translated():
+                chunk = await content.readany()
+            if not chunk:
+                return
+            yield chunk
+
+    async def read(self, *, limit: int) -> bytes:
+        declared = self._response.content_length
+        if declared is not None and declared > limit:
+            raise TooLarge(f"the response body ({declared} bytes) is over the {limit} byte limit")
+        chunks, size = [], 0
+        async for chunk in self.iter_raw():
+            size += len(chunk)
+            if size > limit:
+                raise TooLarge(f"the response body is over the {limit} byte limit")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def aclose(self) -> None:
+        if self._response.content.is_eof():
+            self._response.release()
+        else:
+            self._response.close()
+
+
+class _Connector(aiohttp.TCPConnector):
+    """aiohttp's connector, refusing to reuse a pooled connection that received bytes while idle.
+
+    aiohttp parses and queues a response that arrives on an idle keep-alive connection (a late
+    second answer, bytes after a 204) and hands it to the next request sent on that connection
+    as its answer. Such a connection is closed instead: those bytes are nobody's answer.
+    """
+
+    async def _get(self, key: ConnectionKey, traces: list[Trace]) -> Connection | None:
+        while (connection := await super()._get(key, traces)) is not None:
+            protocol: ResponseHandler | None = connection.protocol
+            if protocol is not None and not protocol.should_close:
+                return connection
+            connection.close()
+        return None
+
+
+class AiohttpTransport:
+    """One aiohttp session for everything the router sends to the engines."""
+
+    def __init__(self, *, connections_per_origin: int, tls: ssl.SSLContext) -> None:
+        self._retired: list[aiohttp.ClientSession] = []
+        self._limit = 0
+        self._session: aiohttp.ClientSession | None = None
+        self.configure(connections_per_origin=connections_per_origin, tls=tls)
+
+    def configure(self, *, connections_per_origin: int, tls: ssl.SSLContext) -> None:
+        # The TLS context goes with each request: connections made with another one are pooled apart.
+        self.tls = tls
+        limit = connections_per_origin + _PROBE_CONNECTIONS
+        if limit != self._limit:
+            # aiohttp cannot change a connector's cap: requests under way finish on the old
+            # session, whose idle connections expire with the keep-alive time; new ones use a new one.
+            if self._session is not None:
+                self._retired.append(self._session)
+            self._limit = limit
+            self._session = None  # made on first use, inside the running event loop
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = _Connector(limit=0, limit_per_host=self._limit, keepalive_timeout=KEEP_ALIVE_SECONDS)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=None),
+                # Only the headers the router chose; aiohttp adds Host and Content-Length.
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+                auto_decompress=True,
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+        return self._session
+
+    async def request(
+        self,
+        base: str,
+        target: str,
+        *,
+        method: str = "POST",
+        headers: Sequence[tuple[str, str]],
+        body: bytes = b"",
+        timeouts: Timeouts,
+        limits: HeadLimits,
+    ) -> Response:
+        with _translated():
+            response = await self._client().request(
+                method,
+                URL(base + target, encoded=True),
+                headers=list(headers),
+                # As a stream of pieces (aiohttp writes a large `bytes` in one go, and warns).
+                data=io.BytesIO(body) if body or method == "POST" else None,
+                allow_redirects=False,
+                ssl=self.tls,
+                timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.read),
+                max_line_size=limits.head_bytes,
+                max_field_size=limits.head_bytes,
+                max_headers=limits.headers,
+            )
+        if response.status == 101:
+            response.close()
+            raise RemoteProtocolError("the engine switched protocols (101) on a request that asked for none")
+        head = len(response.reason or "") + sum(len(name) + len(value) + 4 for name, value in response.raw_headers)
+        if head > limits.head_bytes:
+            response.close()
+            raise TooLarge(f"the response head is over the {limits.head_bytes} byte limit")
+        return _AiohttpResponse(response, timeouts.idle)
+
+    async def get(self, url: str, *, headers: Sequence[tuple[str, str]] = ()) -> tuple[int, bytes]:
+        parsed = URL(url, encoded=True)
+        response = await self.request(
+            str(parsed.origin()),
+            parsed.raw_path_qs,
+            method="GET",
+            headers=headers,
+            timeouts=_UNBOUNDED,
+            limits=HeadLimits(head_bytes=64 * 1024, headers=100),
+        )
+        try:
+            return response.status, await response.read(limit=64 * 1024 * 1024)
+        finally:
+            await response.aclose()
+
+    async def aclose(self) -> None:
+        sessions = [*self._retired, *([self._session] if self._session is not None else [])]
+        self._retired, self._session = [], None
+        for session in sessions:
+            await session.close()
+
+
+@contextlib.contextmanager
+def _translated() -> Iterator[None]:
+    try:
+        yield
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise _translate(exc) from exc
+
+
+def _translate(exc: Exception) -> TransportError:
+    """The one place where aiohttp's exceptions become the router's."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return TlsError(f"TLS: {exc.certificate_error}")
+    if isinstance(exc, aiohttp.ClientConnectorSSLError | aiohttp.ClientSSLError):
+        return TlsError(f"TLS: {exc.os_error if isinstance(exc, aiohttp.ClientConnectorError) else exc}")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return ConnectError(f"cannot connect: {exc.os_error.strerror or exc.os_error}")
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return ConnectError("connecting timed out")
+    if isinstance(exc, aiohttp.SocketTimeoutError | asyncio.TimeoutError):
+        return ReadTimeout("no data from the engine within the read timeout")
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return RemoteProtocolError("the engine closed the connection before the response was complete")
+    return RemoteProtocolError(f"{type(exc).__name__}: {exc}")

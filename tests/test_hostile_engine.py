@@ -1,0 +1,395 @@
+"""Engines that misbehave on the wire, one test per behaviour (docs/reliability.md lists them).
+
+Each answer carries the id of the request it answers, so a test can see that every client got
+its own answer. After each: no request is left in flight and a normal request is served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from router.app import create_app
+from router.config import Settings
+from tests.conftest import _merge
+from tests.raw_engine import Exchange, RawEngine, answer_normally, completion, response
+from tests.servers import ServerThread
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class Routed:
+    server: ServerThread
+    client: httpx.Client
+    registry: CollectorRegistry
+
+    def ask(self, request_id: str, **extra: Any) -> httpx.Response:
+        body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], **extra}
+        return self.client.post("/chat/completions", json=body, headers={"x-request-id": request_id})
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def settled(self, name: str, expected: float, **labels: str) -> float:
+        """The metric once it reads `expected`, or its value after 2 s (it is set in another thread)."""
+        deadline = time.monotonic() + 2
+        while (value := self.metric(name, **labels)) != expected and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return value
+
+
+@contextmanager
+def routed(engine_url: str, **overrides: Any) -> Iterator[Routed]:
+    """A router with one pool, `p`, whose one backend, `e`, is the engine; probes run rarely, so a
+    test decides what happens on each connection."""
+    data = _merge(
+        {
+            "pools": {"p": {"speculative": False, "backends": {"e": {"url": engine_url, "max_concurrency": 8}}}},
+            "scrape": {"interval": 60},
+            "health": {"interval": 60},
+        },
+        overrides,
+    )
+    registry = CollectorRegistry()
+    with (
+        ServerThread(create_app(Settings(**data), registry=registry), fast=True) as server,
+        httpx.Client(base_url=server.url + "/v1", timeout=30) as client,
+    ):
+        yield Routed(server, client, registry)
+
+
+def answer_text(response: httpx.Response) -> str:
+    text: str = response.json()["choices"][0]["message"]["content"]
+    return text
+
+
+def assert_own_answers(router: Routed, count: int = 10) -> None:
+    """`count` requests one after the other (so each takes the pooled connection): each gets its own answer."""
+    for i in range(count):
+        reply = router.ask(f"client-{i}")
+        assert reply.status_code == 200, reply.text
+        assert answer_text(reply) == f"client-{i}"
+
+
+def assert_recovered(router: Routed) -> None:
+    assert router.settled("specroute_in_flight_requests", 0, pool="p", backend="e") == 0
+    assert router.metric("specroute_queued_requests", pool="p", job="interactive") == 0
+    reply = router.ask("after")
+    assert reply.status_code == 200 and answer_text(reply) == "after"
+
+
+def assert_upstream_failed(reply: httpx.Response) -> None:
+    assert reply.status_code == 502
+    assert reply.headers["content-type"] == "application/json"
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "upstream_failed" and error["type"] == "upstream_error"
+
+
+def events(reply: httpx.Response) -> list[str]:
+    return [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
+
+
+# -- interim answers -------------------------------------------------------------------------
+
+
+def test_client_expect_100_continue_is_answered_by_the_router_and_never_forwarded() -> None:
+    """curl sends `Expect: 100-continue` with any body over 1 MB. uvicorn (under vLLM and SGLang)
+    answers it with `100 Continue`: were it forwarded, that interim answer could be taken as the
+    final one and the real answer handed to the next client."""
+    seen: list[dict[str, str]] = []
+
+    async def chat(request: Request) -> Response:
+        await request.body()  # uvicorn sends `100 Continue` here if the request asked for it
+        seen.append(dict(request.headers))
+        rid = request.headers["x-request-id"]
+        return Response(completion(Exchange(0, "POST", "", {"x-request-id": rid}, b"")), media_type="application/json")
+
+    async def ok(request: Request) -> Response:
+        return Response(b'{"object": "list", "data": []}')
+
+    engine = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/{p:path}", ok)])
+    with ServerThread(engine) as server, routed(server.url) as router:
+        body = json.dumps({"model": "test-model", "messages": [{"role": "user", "content": "x" * 2 * MiB}]}).encode()
+        with socket.create_connection(("127.0.0.1", router.server.port), timeout=30) as client:
+            client.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
+                b"x-request-id: curl-1\r\nexpect: 100-continue\r\ncontent-length: %d\r\n\r\n" % len(body)
+            )
+            assert client.recv(64).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")  # from the router's own server
+            client.sendall(body)
+            received = b""
+            while b"curl-1" not in received or not received.endswith(b"}"):
+                chunk = client.recv(65536)
+                assert chunk, received
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 200 ")
+        assert "expect" not in seen[0]
+        assert_own_answers(router)
+        assert_recovered(router)
+
+
+@pytest.mark.parametrize("interim", [100, 102, 103])
+def test_interim_answers_from_the_engine_are_never_final(interim: int) -> None:
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        hint = b"link: </style.css>; rel=preload\r\n" if interim == 103 else b""
+        writer.write(b"HTTP/1.1 %d Interim\r\n%s\r\n" % (interim, hint) + response(body=completion(exchange)))
+        return True
+
+    with RawEngine(answer) as engine, routed(engine.url) as router:
+        assert_own_answers(router)
+        assert engine.connections == 1  # the interim answers did not spoil the connection
+        assert_recovered(router)
+
+
+def test_101_from_the_engine_is_a_502() -> None:
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if exchange.index > 0:
+            return await answer_normally(exchange, reader, writer)
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\nraw bytes")
+        return False
+
+    with RawEngine(answer) as engine, routed(engine.url) as router:
+        assert_upstream_failed(router.ask("upgraded"))
+        assert_recovered(router)
+
+
+# -- bytes that are nobody's answer ------------------------------------------------------------
+
+
+def test_a_late_extra_response_on_an_idle_pooled_connection_is_never_anyones_answer() -> None:
+    late_sent = False
+
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        nonlocal late_sent
+        writer.write(response(body=completion(exchange)))
+        if exchange.index == 0:
+            await writer.drain()
+            await asyncio.sleep(0.05)  # the connection is back in the router's pool by now
+            writer.write(response(body=completion(Exchange(0, "POST", "", {"x-request-id": "LATE"}, b""))))
+            late_sent = True
+        return True
+
+    with RawEngine(answer) as engine, routed(engine.url) as router:
+        assert answer_text(router.ask("first")) == "first"
+        assert engine.wait_for(lambda: late_sent)
+        assert_own_answers(router)
+        assert_recovered(router)
+
+
+def test_two_responses_in_one_write() -> None:
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        extra = Exchange(0, "POST", "", {"x-request-id": "EXTRA"}, b"")
+        writer.write(
+            response(body=completion(exchange)) + (response(body=completion(extra)) if exchange.index == 0 else b"")
+        )
+        return True
+
+    with RawEngine(answer) as engine, routed(engine.url) as router:
+        assert answer_text(router.ask("first")) == "first"
+        assert_own_answers(router)
+        assert_recovered(router)
+
+
+def test_a_204_followed_by_bytes() -> None:
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if exchange.index > 0:
+            return await answer_normally(exchange, reader, writer)
+        extra = Exchange(0, "POST", "", {"x-request-id": "AFTER-204"}, b"")
+        writer.write(b"HTTP/1.1 204 No Content\r\n\r\n" + response(body=completion(extra)))
+        return True
+
+    with RawEngine(answer) as engine, routed(engine.url) as router:
+        reply = router.ask("first")
+        assert reply.status_code == 204 and reply.content == b""
+        assert_own_answers(router)
+        assert_recovered(router)
+
+
+def test_a_reused_connection_closed_after_the_engine_read_the_post_is_not_sent_again() -> None:
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if exchange.index == 1:
+            return False  # read it, then close without a word
+        return await answer_normally(exchange, reader, writer)
+
+    with RawEngine(answer) as engine, routed(engine.url) as router:
+        assert answer_text(router.ask("first")) == "first"
+        assert_upstream_failed(router.ask("second"))
+        assert engine.connections == 1  # the second went on the pooled connection...
+        assert [e.request_id for e in engine.requests].count("second") == 1  # ...and was not sent again
+        assert router.metric("specroute_retries_total", pool="p", backend="e", reason="protocol") == 0
+        assert_recovered(router)
+
+
+# -- bodies the router must read right ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("version", "headers"), [(b"HTTP/1.0", b""), (b"HTTP/1.1", b"connection: close\r\n")], ids=["http10", "close"]
+)
+def test_close_delimited_bodies_are_served(version: bytes, headers: bytes) -> None:
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        body = completion(exchange)
+        writer.write(b"%s 200 OK\r\ncontent-type: application/json\r\n%s\r\n" % (version, headers))
+        for start in range(0, len(body), 40):  # in several writes: the end is the connection's end
+            writer.write(body[start : start + 40])
+            await writer.drain()
+        return False
+
+    with RawEngine(answer) as engine, routed(engine.url) as router:
+        assert_own_answers(router, count=3)
+        assert engine.connections == 3
+        assert_recovered(router)
+
+
+def test_a_close_delimited_stream_is_served() -> None:
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if exchange.index > 0:
+            return await answer_normally(exchange, reader, writer)
+        writer.write(b"HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
+        for word in ("a", "b"):
+            writer.write(b'data: {"choices": [{"index": 0, "delta": {"content": "%s"}}]}\n\n' % word.encode())
+            await writer.drain()
+        writer.write(b"data: [DONE]\n\n")
+        return False
+
+    with RawEngine(answer) as engine, routed(engine.url) as router:
+        reply = router.ask("stream", stream=True)
+        assert reply.status_code == 200
+        assert [json.loads(e)["choices"][0]["delta"]["content"] for e in events(reply)[:2]] == ["a", "b"]
+        assert events(reply)[-1] == "[DONE]"
+        assert_recovered(router)
+
+
+def test_gzip_answers_reach_the_client_decoded() -> None:
+    """The router asks for identity; an engine that compresses anyway has its body decoded, and
+    the client gets it with no Content-Encoding, whole or streamed."""
+    stream_events = [
+        b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n',
+        b'data: {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 7, "total_tokens": 8}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        assert exchange.headers["accept-encoding"] == "identity"
+        if b'"stream":true' not in exchange.body:
+            body = gzip.compress(completion(exchange))
+            writer.write(response(body=body, headers=b"content-encoding: gzip\r\n"))
+            return True
+        packed = gzip.compress(b"".join(stream_events))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        for start in range(0, len(packed), 16):
+            piece = packed[start : start + 16]
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    with RawEngine(answer) as engine, routed(engine.url) as router:
+        whole = router.ask("whole")
+        assert whole.status_code == 200 and answer_text(whole) == "whole"
+        assert "content-encoding" not in whole.headers
+        assert int(whole.headers["content-length"]) == len(whole.content)
+        streamed = router.ask("streamed", stream=True)
+        assert streamed.status_code == 200 and "content-encoding" not in streamed.headers
+        assert streamed.content == b"".join(stream_events[::2])  # the usage chunk was the router's to drop
+        assert router.settled("specroute_completion_tokens_total", 7 + 1, pool="p", backend="e") == 8
+        assert_recovered(router)
+
+
+# -- sizes past the limits ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"x-big: " + b"a" * (100 * 1024) + b"\r\n",  # one field over the head limit
+        b"x-h: 1\r\n" * 100_000,  # far more fields than allowed
+        b"".join(b"x-h%d: %s\r\n" % (i, b"a" * 1000) for i in range(90)),  # few fields, over the limit together
+    ],
+    ids=["huge-field", "100000-fields", "many-large-fields"],
+)
+def test_huge_response_heads_are_a_502_with_nothing_passed_on(head: bytes) -> None:
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if exchange.index > 0:
+            return await answer_normally(exchange, reader, writer)
+        writer.write(b"HTTP/1.1 200 OK\r\n" + head + b"content-length: 2\r\n\r\n{}")
+        return False
+
+    with RawEngine(answer) as engine, routed(engine.url) as router:
+        reply = router.ask("huge-head")
+        assert_upstream_failed(reply)
+        assert not any(name.startswith(("x-big", "x-h")) for name in reply.headers)
+        assert_recovered(router)
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_a_huge_body_is_refused_not_buffered(declared: bool) -> None:
+    """The limit is 1 MiB; the engine offers 256 MiB. The router stops reading at the limit, so
+    the engine cannot write more than the sockets' buffers hold beyond it."""
+    block = b"a" * 65536
+    total = 256 * MiB
+
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if exchange.index > 0:
+            return await answer_normally(exchange, reader, writer)
+        framing = b"content-length: %d\r\n" % total if declared else b"transfer-encoding: chunked\r\n"
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + framing + b"\r\n")
+        while engine.written < total:
+            writer.write(block if declared else b"10000\r\n" + block + b"\r\n")
+            await writer.drain()
+            engine.written += len(block)
+        return False
+
+    with RawEngine(answer) as engine, routed(engine.url, limits={"response_body_bytes": MiB}) as router:
+        assert_upstream_failed(router.ask("huge-body"))
+        assert engine.wait_for(lambda: engine.open_connections == 0)
+        assert engine.written < 64 * MiB, engine.written
+        assert_recovered(router)
+
+
+def test_an_unterminated_huge_event_ends_the_stream_with_one_error_event() -> None:
+    block = b"a" * 65536
+
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if exchange.index > 0:
+            return await answer_normally(exchange, reader, writer)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        first = b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\ndata: {"x": "'
+        writer.write(b"%x\r\n%s\r\n" % (len(first), first))
+        while engine.written < 256 * MiB:
+            writer.write(b"10000\r\n" + block + b"\r\n")
+            await writer.drain()
+            engine.written += len(block)
+        return False
+
+    with RawEngine(answer) as engine, routed(engine.url, limits={"sse_event_bytes": MiB}) as router:
+        reply = router.ask("huge-event", stream=True)
+        assert reply.status_code == 200
+        sent = events(reply)
+        assert json.loads(sent[0])["choices"][0]["delta"]["content"] == "hi"
+        assert len(sent) == 2 and "[DONE]" not in sent
+        error = json.loads(sent[1])["error"]
+        assert error["code"] == "upstream_failed" and "byte limit" in error["message"]
+        assert engine.wait_for(lambda: engine.open_connections == 0)
+        assert engine.written < 64 * MiB, engine.written
+        assert_recovered(router)
