@@ -471,7 +471,7 @@ class Proxy:
         error: UpstreamError
         if isinstance(exc, TlsError):
             kind = "tls"
-            error = UpstreamError(f"backend {backend.name!r} failed the TLS handshake: {exc}", code="upstream_tls")
+            error = UpstreamError(f"backend {backend.name!r}: {exc}", code="upstream_tls")
             logger.warning("backend %r: %s", backend.name, exc)
         elif isinstance(exc, ConnectError):
             kind = "connect"

@@ -20,10 +20,10 @@ the router's decision, counted in `specroute_retries_total`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import io
 import ssl
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +40,7 @@ KEEP_ALIVE_SECONDS = 4.0
 # Connections per origin beyond the requests admitted to it: the scraper, the health check and
 # /v1/models each hold one at most.
 _PROBE_CONNECTIONS = 3
+_ONE_WRITE = 1 << 20
 
 
 class TransportError(Exception):
@@ -134,7 +135,10 @@ class Transport(Protocol):
 
 
 class _AiohttpResponse:
-    def __init__(self, response: aiohttp.ClientResponse, idle: float | None) -> None:
+    def __init__(self, transport: AiohttpTransport, response: aiohttp.ClientResponse, idle: float | None) -> None:
+        self._transport = transport
+        transport.in_use += 1
+        self._closed = False
         self._response = response
         self.status = response.status
         self.headers: Sequence[tuple[bytes, bytes]] = response.raw_headers
@@ -153,12 +157,11 @@ class _AiohttpResponse:
 
     async def iter_raw(self) -> AsyncIterator[bytes]:
         content = self._response.content
-        while True:
-            with _translated():
-                chunk = await content.readany()
-            if not chunk:
-                return
-            yield chunk
+        try:
+            while chunk := await content.readany():
+                yield chunk
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _translate(exc) from exc
 
     async def read(self, *, limit: int) -> bytes:
         declared = self._response.content_length
@@ -173,6 +176,9 @@ class _AiohttpResponse:
         return b"".join(chunks)
 
     async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._transport.in_use -= 1
         if self._response.content.is_eof():
             self._response.release()
         else:
@@ -201,6 +207,7 @@ class AiohttpTransport:
 
     def __init__(self, *, connections_per_origin: int, tls: ssl.SSLContext) -> None:
         self._retired: list[aiohttp.ClientSession] = []
+        self.in_use = 0  # responses handed out and not yet closed
         self._limit = 0
         self._session: aiohttp.ClientSession | None = None
         self.configure(connections_per_origin=connections_per_origin, tls=tls)
@@ -241,20 +248,21 @@ class AiohttpTransport:
         timeouts: Timeouts,
         limits: HeadLimits,
     ) -> Response:
-        with _translated():
+        try:
             response = await self._client().request(
                 method,
                 URL(base + target, encoded=True),
                 headers=list(headers),
-                # As a stream of pieces (aiohttp writes a large `bytes` in one go, and warns).
-                data=io.BytesIO(body) if body or method == "POST" else None,
+                data=_payload(body) if body or method == "POST" else None,
                 allow_redirects=False,
                 ssl=self.tls,
-                timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.read),
+                timeout=_client_timeout(timeouts.connect, timeouts.read),
                 max_line_size=limits.head_bytes,
                 max_field_size=limits.head_bytes,
                 max_headers=limits.headers,
             )
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _translate(exc) from exc
         if response.status == 101:
             response.close()
             raise RemoteProtocolError("the engine switched protocols (101) on a request that asked for none")
@@ -262,7 +270,7 @@ class AiohttpTransport:
         if head > limits.head_bytes:
             response.close()
             raise TooLarge(f"the response head is over the {limits.head_bytes} byte limit")
-        return _AiohttpResponse(response, timeouts.idle)
+        return _AiohttpResponse(self, response, timeouts.idle)
 
     async def get(self, url: str, *, headers: Sequence[tuple[str, str]] = ()) -> tuple[int, bytes]:
         parsed = URL(url, encoded=True)
@@ -286,20 +294,23 @@ class AiohttpTransport:
             await session.close()
 
 
-@contextlib.contextmanager
-def _translated() -> Iterator[None]:
-    try:
-        yield
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        raise _translate(exc) from exc
+def _payload(body: bytes) -> bytes | io.BytesIO:
+    # aiohttp writes a `bytes` body in one go, and warns past 1 MiB; a BytesIO goes in pieces.
+    return body if len(body) <= _ONE_WRITE else io.BytesIO(body)
+
+
+@functools.lru_cache(maxsize=64)
+def _client_timeout(connect: float | None, read: float | None) -> aiohttp.ClientTimeout:
+    # A handful of distinct values in a router's life: made once each, not per request.
+    return aiohttp.ClientTimeout(total=None, connect=connect, sock_read=read)
 
 
 def _translate(exc: Exception) -> TransportError:
     """The one place where aiohttp's exceptions become the router's."""
     if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        return TlsError(f"TLS: {exc.certificate_error}")
-    if isinstance(exc, aiohttp.ClientConnectorSSLError | aiohttp.ClientSSLError):
-        return TlsError(f"TLS: {exc.os_error if isinstance(exc, aiohttp.ClientConnectorError) else exc}")
+        return TlsError(f"TLS handshake failed: {exc.certificate_error}")
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return TlsError(f"TLS handshake failed: {exc.os_error}")
     if isinstance(exc, aiohttp.ClientConnectorError):
         return ConnectError(f"cannot connect: {exc.os_error.strerror or exc.os_error}")
     if isinstance(exc, aiohttp.ConnectionTimeoutError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -61,8 +62,9 @@ async def answer_normally(exchange: Exchange, reader: asyncio.StreamReader, writ
 
 
 class RawEngine:
-    def __init__(self, answer: Answer = answer_normally) -> None:
+    def __init__(self, answer: Answer = answer_normally, *, tls: ssl.SSLContext | None = None) -> None:
         self.answer = answer
+        self.tls = tls  # serve https with this context
         self.requests: list[Exchange] = []  # every POST read, in order
         self.connections = 0  # accepted
         self.open_connections = 0
@@ -74,11 +76,12 @@ class RawEngine:
     @property
     def url(self) -> str:
         assert self._server is not None
-        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
 
     def __enter__(self) -> RawEngine:
         self._thread.start()
-        start = asyncio.start_server(self._serve, "127.0.0.1", 0)
+        start = asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls)
         self._server = asyncio.run_coroutine_threadsafe(start, self._loop).result(10)
         return self
 
@@ -120,7 +123,7 @@ class RawEngine:
                 await writer.drain()
                 if not keep:
                     break
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ssl.SSLError):
             pass  # the router closed the connection: what several tests expect
         finally:
             self.open_connections -= 1

@@ -105,3 +105,36 @@ def test_bad_file_exits_non_zero_naming_the_field(
 def test_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-config", "/nonexistent/router.yaml"]) == 1
     assert "No such file" in capsys.readouterr().err
+
+
+def test_a_backend_url_with_a_password_is_refused_without_echoing_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "userinfo.yaml"
+    path.write_text(
+        "pools:\n  fast:\n    speculative: true\n    backends:\n"
+        "      fast-1: {url: 'http://admin:hunter2@10.0.0.11:8000'}\n"
+    )
+    assert main(["check-config", str(path)]) == 1
+    out = capsys.readouterr()
+    assert "pools.fast.backends.fast-1.url" in out.err and "api_key_env" in out.err
+    assert "hunter2" not in out.err + out.out
+    with pytest.raises(ConfigError) as raised:
+        load_settings(path)
+    assert "hunter2" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("tls", "expected"),
+    [
+        ("{client_key: /k.pem}", "client_key needs client_cert"),
+        ("{ca_bundle: /nonexistent/ca.pem}", "cannot load the CA bundle"),
+    ],
+)
+def test_tls_settings_are_checked_when_loaded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tls: str, expected: str
+) -> None:
+    path = tmp_path / "tls.yaml"
+    path.write_text(f"tls: {tls}\npools:\n  fast:\n    speculative: true\n    backends: {{f: {{url: 'https://e'}}}}\n")
+    assert main(["check-config", str(path)]) == 1
+    assert expected in capsys.readouterr().err

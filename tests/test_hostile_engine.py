@@ -38,6 +38,7 @@ class Routed:
     server: ServerThread
     client: httpx.Client
     registry: CollectorRegistry
+    app: Starlette
 
     def ask(self, request_id: str, **extra: Any) -> httpx.Response:
         body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], **extra}
@@ -67,11 +68,12 @@ def routed(engine_url: str, **overrides: Any) -> Iterator[Routed]:
         overrides,
     )
     registry = CollectorRegistry()
+    app = create_app(Settings(**data), registry=registry)
     with (
-        ServerThread(create_app(Settings(**data), registry=registry), fast=True) as server,
+        ServerThread(app, fast=True) as server,
         httpx.Client(base_url=server.url + "/v1", timeout=30) as client,
     ):
-        yield Routed(server, client, registry)
+        yield Routed(server, client, registry, app)
 
 
 def answer_text(response: httpx.Response) -> str:
@@ -90,6 +92,7 @@ def assert_own_answers(router: Routed, count: int = 10) -> None:
 def assert_recovered(router: Routed) -> None:
     assert router.settled("specroute_in_flight_requests", 0, pool="p", backend="e") == 0
     assert router.metric("specroute_queued_requests", pool="p", job="interactive") == 0
+    assert router.app.state.router.transport.in_use == 0  # no engine response left open
     reply = router.ask("after")
     assert reply.status_code == 200 and answer_text(reply) == "after"
 

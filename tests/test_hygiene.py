@@ -136,5 +136,5 @@ def test_a_storm_of_cancellations_leaves_nothing_open(make_cluster: Any) -> None
             for job in ("interactive", "batch"):
                 assert cluster.metric("specroute_queued_requests", pool=pool, job_class=job) == 0
         state = cluster.app.state.router
-        assert state.upstream.in_use == 0
+        assert state.transport.in_use == 0
         assert sum(p.in_flight for p in state.pools) == 0

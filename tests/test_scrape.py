@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-from router.transport import AiohttpTransport, HeadLimits, Timeouts
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
@@ -20,6 +19,7 @@ from router.pools import Pools
 from router.scrape import EngineScraper, engine_load, parse
 from router.sim.profile import load_profile
 from router.sim.server import create_sim_app
+from router.transport import AiohttpTransport, HeadLimits, Timeouts
 from tests.servers import ServerThread
 
 # As vLLM's V1 engine writes it (two data-parallel engines), trimmed to the families we read plus

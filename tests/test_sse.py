@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.sse import StreamWatch
+from router.sse import EventTooLarge, StreamWatch
 
 
 def _event(payload: dict[str, object]) -> bytes:
@@ -98,3 +99,26 @@ def test_error_event_after_content_is_noticed_and_passed_on() -> None:
     assert watch.feed(CONTENT[0] + CONTENT[1]) == CONTENT[0] + CONTENT[1]
     assert watch.feed(error) == error
     assert watch.error == "engine died"
+
+
+CRLF_STREAM = STREAM.replace(b"\n\n", b"\r\n\r\n")
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(CRLF_STREAM) - 1), max_size=40))
+def test_crlf_events_split_anywhere_reach_client_byte_identical(cuts: list[int]) -> None:
+    out, _ = _replay(StreamWatch(drop_usage_chunk=False), CRLF_STREAM, cuts)
+    assert out == CRLF_STREAM
+
+
+def test_an_event_over_the_limit_is_refused_as_it_grows() -> None:
+    watch = StreamWatch(drop_usage_chunk=False, max_event=4096)
+    assert watch.feed(CONTENT[0]) == CONTENT[0]
+    assert watch.feed(b"data: " + b"a" * 4000) == b""
+    with pytest.raises(EventTooLarge):
+        watch.feed(b"a" * 1000)
+
+
+def test_an_event_at_the_limit_passes() -> None:
+    event = b"data: " + b"a" * 4000 + b"\n\n"
+    watch = StreamWatch(drop_usage_chunk=False, max_event=4096)
+    assert b"".join(watch.feed(event[i : i + 100]) for i in range(0, len(event), 100)) == event

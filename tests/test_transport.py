@@ -30,12 +30,16 @@ LIMITS = HeadLimits(head_bytes=65536, headers=100)
 
 
 @asynccontextmanager
-async def raw_server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
-    """A server on a free port; yields its URL and the list of connections it accepted."""
+async def raw_server(handler: Handler) -> AsyncIterator[tuple[str, list[int], asyncio.Condition]]:
+    """A server on a free port; yields its URL, the list of connections it accepted, and a
+    condition notified at each new one."""
     accepted: list[int] = []
+    arrived = asyncio.Condition()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         accepted.append(1)
+        async with arrived:
+            arrived.notify_all()
         try:
             await handler(reader, writer)
         except (asyncio.CancelledError, asyncio.IncompleteReadError, ConnectionError):
@@ -46,7 +50,7 @@ async def raw_server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}", accepted
+        yield f"http://127.0.0.1:{port}", accepted, arrived
     finally:
         server.close()
         await server.wait_closed()
@@ -86,7 +90,7 @@ async def test_chunked_stream_arrives_in_pieces_and_connection_is_reused() -> No
             writer.write(b"0\r\n\r\n")
             await writer.drain()
 
-    async with raw_server(handler) as (url, accepted):
+    async with raw_server(handler) as (url, accepted, _):
         transport = _transport()
         for _ in range(2):
             response = await _post(transport, url, "/v1/x?a=1", headers=[("x-test", "1")], body=b'{"k": 1}')
@@ -115,7 +119,7 @@ async def test_the_request_target_goes_on_the_request_line_byte_for_byte() -> No
         await writer.drain()
 
     target = "/v1/%2e%2e/a%2Fb/./c?x=%3F&y=a+b&z=%25"
-    async with raw_server(handler) as (url, _):
+    async with raw_server(handler) as (url, _, _):
         transport = _transport()
         await (await _post(transport, url, target)).aclose()
         await transport.aclose()
@@ -129,7 +133,7 @@ async def test_content_length_body_and_get() -> None:
         writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 5\r\n\r\nnope!")
         await writer.drain()
 
-    async with raw_server(handler) as (url, _):
+    async with raw_server(handler) as (url, _, _):
         transport = _transport()
         assert await transport.get(url + "/health") == (404, b"nope!")
         await transport.aclose()
@@ -142,7 +146,7 @@ async def test_connection_closed_mid_body_is_a_protocol_error_after_the_bytes_th
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
         await writer.drain()
 
-    async with raw_server(handler) as (url, _):
+    async with raw_server(handler) as (url, _, _):
         transport = _transport()
         response = await _post(transport, url)
         received: list[bytes] = []
@@ -171,10 +175,10 @@ async def test_silence_is_a_read_timeout_before_the_head_and_an_idle_timeout_bet
         await asyncio.sleep(5)
 
     transport = _transport()
-    async with raw_server(silent) as (url, _):
+    async with raw_server(silent) as (url, _, _):
         with pytest.raises(ReadTimeout):
             await _post(transport, url, timeouts=Timeouts(connect=1, read=0.2, idle=10))
-    async with raw_server(stalls) as (url, _):
+    async with raw_server(stalls) as (url, _, _):
         # A long read timeout (the head came at once), a short idle one: the idle one ends it.
         response = await _post(transport, url, timeouts=Timeouts(connect=1, read=10, idle=0.2))
         with pytest.raises(ReadTimeout):
@@ -202,7 +206,7 @@ async def test_garbage_is_a_protocol_error() -> None:
         await writer.drain()
         await asyncio.sleep(1)
 
-    async with raw_server(handler) as (url, _):
+    async with raw_server(handler) as (url, _, _):
         transport = _transport()
         with pytest.raises(RemoteProtocolError):
             await _post(transport, url)
@@ -220,7 +224,7 @@ async def test_abandoned_response_closes_its_connection() -> None:
         await reader.read()  # returns when the client closes
         closed.set()
 
-    async with raw_server(handler) as (url, accepted):
+    async with raw_server(handler) as (url, accepted, arrived):
         transport = _transport()
         response = await _post(transport, url)
         async for _ in response.iter_raw():
@@ -229,8 +233,8 @@ async def test_abandoned_response_closes_its_connection() -> None:
         await asyncio.wait_for(closed.wait(), 5)
         # The next request cannot reuse it and opens a new connection.
         task = asyncio.create_task(_post(transport, url))
-        while len(accepted) < 2:
-            await asyncio.sleep(0.005)
+        async with arrived:
+            await asyncio.wait_for(arrived.wait_for(lambda: len(accepted) == 2), 5)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await transport.aclose()
@@ -247,7 +251,7 @@ async def test_a_get_on_a_stale_keep_alive_connection_is_replaced() -> None:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
         await writer.drain()
 
-    async with raw_server(handler) as (url, accepted):
+    async with raw_server(handler) as (url, accepted, _):
         transport = _transport()
         assert await transport.get(url) == (200, b"ok")
         assert await transport.get(url) == (200, b"ok")
