@@ -12,20 +12,21 @@ the router's in exactly one place, `_translate`:
     └── RemoteProtocolError  the connection broke, the response was not HTTP, or was a 101
         └── TooLarge         a response head or body over its limit (`limits.*`)
 
-The transport never sends a request twice: aiohttp re-sends only idempotent methods (RFC 9112
-§9.3.1: the GETs of the health checks, the scraper and `/v1/models`), never a POST. A retry is
-the router's decision, counted in `specroute_retries_total`.
+Interim answers never reach the router: aiohttp reads past any 100–199 but 101
+(`ClientResponse.start`), and a 101 is refused here. The transport never sends a request
+twice: aiohttp re-sends only idempotent methods (RFC 9112 §9.3.1: the GETs of the health checks,
+the scraper and `/v1/models`), never a POST. A retry is the router's decision, counted in
+`specroute_retries_total`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import io
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp.client_proto import ResponseHandler
@@ -185,6 +186,21 @@ class _AiohttpResponse:
             self._response.close()
 
 
+class _Handler(ResponseHandler):
+    """aiohttp's protocol for one connection, resuming reading only when it was paused.
+
+    aiohttp 3.14 calls `resume_reading` after every piece of body the reader takes, paused or
+    not, and each call runs the parser on no data and resumes the socket again. With one engine
+    chunk per read (a paced stream) that came to about a third more CPU per streamed chunk than
+    the router's previous client (docs/benchmarks.md §4). When reading was paused (the reader
+    fell behind), the call goes through unchanged.
+    """
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        if self._reading_paused:
+            super().resume_reading(resume_parser)
+
+
 class _Connector(aiohttp.TCPConnector):
     """aiohttp's connector, refusing to reuse a pooled connection that received bytes while idle.
 
@@ -192,6 +208,11 @@ class _Connector(aiohttp.TCPConnector):
     second answer, bytes after a 204) and hands it to the next request sent on that connection
     as its answer. Such a connection is closed instead: those bytes are nobody's answer.
     """
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        handler: type[ResponseHandler] = _Handler
+        self._factory = functools.partial(handler, loop=self._loop)
 
     async def _get(self, key: ConnectionKey, traces: list[Trace]) -> Connection | None:
         while (connection := await super()._get(key, traces)) is not None:
@@ -315,7 +336,7 @@ def _translate(exc: Exception) -> TransportError:
         return ConnectError(f"cannot connect: {exc.os_error.strerror or exc.os_error}")
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return ConnectError("connecting timed out")
-    if isinstance(exc, aiohttp.SocketTimeoutError | asyncio.TimeoutError):
+    if isinstance(exc, aiohttp.SocketTimeoutError | TimeoutError):
         return ReadTimeout("no data from the engine within the read timeout")
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return RemoteProtocolError("the engine closed the connection before the response was complete")
