@@ -21,6 +21,8 @@ from types import TracebackType
 @dataclass(frozen=True, slots=True)
 class Exchange:
     index: int  # 0 for the first POST this engine received, 1 for the next...
+    connection: int  # 1 for the first connection this engine accepted, 2 for the next...
+    earlier: int  # requests (probes included) read on the same connection before this one
     method: str
     target: str
     headers: dict[str, str]  # lower-cased names
@@ -62,12 +64,15 @@ async def answer_normally(exchange: Exchange, reader: asyncio.StreamReader, writ
 
 
 class RawEngine:
-    def __init__(self, answer: Answer = answer_normally, *, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, answer: Answer = answer_normally, *, tls: ssl.SSLContext | None = None, keep_alive: bool = True
+    ) -> None:
         self.answer = answer
         self.tls = tls  # serve https with this context
+        self.keep_alive = keep_alive  # False: the probes' connections are closed after each answer too
         self.requests: list[Exchange] = []  # every POST read, in order
         self.connections = 0  # accepted
-        self.open_connections = 0
+        self.closed: set[int] = set()  # the numbers of the connections closed since
         self.written = 0  # bytes an answer counted as sent (for the bounded-buffer tests)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -110,13 +115,17 @@ class RawEngine:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
-        self.open_connections += 1
+        number = self.connections
+        earlier = 0
         try:
-            while (exchange := await self._read(reader)) is not None:
+            while (exchange := await self._read(reader, number, earlier)) is not None:
+                earlier += 1
                 if exchange.method == "GET":
                     body = b'{"object": "list", "data": []}' if exchange.target == "/v1/models" else b""
-                    writer.write(response(body=body))
+                    writer.write(response(body=body, headers=b"" if self.keep_alive else b"connection: close\r\n"))
                     await writer.drain()
+                    if not self.keep_alive:
+                        break
                     continue
                 self.requests.append(exchange)
                 keep = await self.answer(exchange, reader, writer)
@@ -126,10 +135,10 @@ class RawEngine:
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ssl.SSLError):
             pass  # the router closed the connection: what several tests expect
         finally:
-            self.open_connections -= 1
+            self.closed.add(number)
             writer.close()
 
-    async def _read(self, reader: asyncio.StreamReader) -> Exchange | None:
+    async def _read(self, reader: asyncio.StreamReader, connection: int, earlier: int) -> Exchange | None:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError:
@@ -142,4 +151,4 @@ class RawEngine:
                 name, value = field.split(":", 1)
                 headers[name.strip().lower()] = value.strip()
         body = await reader.readexactly(int(headers.get("content-length", "0")))
-        return Exchange(len(self.requests), method, target, headers, body)
+        return Exchange(len(self.requests), connection, earlier, method, target, headers, body)

@@ -47,10 +47,19 @@ class Routed:
     def metric(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
 
+    def total(self, name: str, **labels: str) -> float:
+        """The sum of the metric's samples that have these labels, whatever their others."""
+        return sum(
+            sample.value
+            for family in self.registry.collect()
+            for sample in family.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
+
     def settled(self, name: str, expected: float, **labels: str) -> float:
-        """The metric once it reads `expected`, or its value after 2 s (it is set in another thread)."""
+        """The metric's total once it reads `expected`, or after 2 s (it is set in another thread)."""
         deadline = time.monotonic() + 2
-        while (value := self.metric(name, **labels)) != expected and time.monotonic() < deadline:
+        while (value := self.total(name, **labels)) != expected and time.monotonic() < deadline:
             time.sleep(0.005)
         return value
 
@@ -76,6 +85,11 @@ def routed(engine_url: str, **overrides: Any) -> Iterator[Routed]:
         yield Routed(server, client, registry, app)
 
 
+def answer_for(request_id: str) -> bytes:
+    """The body an engine would send for the request with this id."""
+    return completion(Exchange(0, 0, 0, "POST", "", {"x-request-id": request_id}, b""))
+
+
 def answer_text(response: httpx.Response) -> str:
     text: str = response.json()["choices"][0]["message"]["content"]
     return text
@@ -91,7 +105,7 @@ def assert_own_answers(router: Routed, count: int = 10) -> None:
 
 def assert_recovered(router: Routed) -> None:
     assert router.settled("specroute_in_flight_requests", 0, pool="p", backend="e") == 0
-    assert router.metric("specroute_queued_requests", pool="p", job="interactive") == 0
+    assert router.metric("specroute_queued_requests", pool="p", job_class="interactive") == 0
     assert router.app.state.router.transport.in_use == 0  # no engine response left open
     reply = router.ask("after")
     assert reply.status_code == 200 and answer_text(reply) == "after"
@@ -122,7 +136,7 @@ def test_client_expect_100_continue_is_answered_by_the_router_and_never_forwarde
         await request.body()  # uvicorn sends `100 Continue` here if the request asked for it
         seen.append(dict(request.headers))
         rid = request.headers["x-request-id"]
-        return Response(completion(Exchange(0, "POST", "", {"x-request-id": rid}, b"")), media_type="application/json")
+        return Response(answer_for(rid), media_type="application/json")
 
     async def ok(request: Request) -> Response:
         return Response(b'{"object": "list", "data": []}')
@@ -157,7 +171,7 @@ def test_interim_answers_from_the_engine_are_never_final(interim: int) -> None:
 
     with RawEngine(answer) as engine, routed(engine.url) as router:
         assert_own_answers(router)
-        assert engine.connections == 1  # the interim answers did not spoil the connection
+        assert engine.closed == set()  # the interim answers cost no connection
         assert_recovered(router)
 
 
@@ -185,7 +199,7 @@ def test_a_late_extra_response_on_an_idle_pooled_connection_is_never_anyones_ans
         if exchange.index == 0:
             await writer.drain()
             await asyncio.sleep(0.05)  # the connection is back in the router's pool by now
-            writer.write(response(body=completion(Exchange(0, "POST", "", {"x-request-id": "LATE"}, b""))))
+            writer.write(response(body=answer_for("LATE")))
             late_sent = True
         return True
 
@@ -198,10 +212,8 @@ def test_a_late_extra_response_on_an_idle_pooled_connection_is_never_anyones_ans
 
 def test_two_responses_in_one_write() -> None:
     async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        extra = Exchange(0, "POST", "", {"x-request-id": "EXTRA"}, b"")
-        writer.write(
-            response(body=completion(exchange)) + (response(body=completion(extra)) if exchange.index == 0 else b"")
-        )
+        extra = response(body=answer_for("EXTRA")) if exchange.index == 0 else b""
+        writer.write(response(body=completion(exchange)) + extra)
         return True
 
     with RawEngine(answer) as engine, routed(engine.url) as router:
@@ -214,8 +226,7 @@ def test_a_204_followed_by_bytes() -> None:
     async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         if exchange.index > 0:
             return await answer_normally(exchange, reader, writer)
-        extra = Exchange(0, "POST", "", {"x-request-id": "AFTER-204"}, b"")
-        writer.write(b"HTTP/1.1 204 No Content\r\n\r\n" + response(body=completion(extra)))
+        writer.write(b"HTTP/1.1 204 No Content\r\n\r\n" + response(body=answer_for("AFTER-204")))
         return True
 
     with RawEngine(answer) as engine, routed(engine.url) as router:
@@ -234,7 +245,7 @@ def test_a_reused_connection_closed_after_the_engine_read_the_post_is_not_sent_a
     with RawEngine(answer) as engine, routed(engine.url) as router:
         assert answer_text(router.ask("first")) == "first"
         assert_upstream_failed(router.ask("second"))
-        assert engine.connections == 1  # the second went on the pooled connection...
+        assert engine.requests[1].earlier > 0  # the second went on a pooled connection...
         assert [e.request_id for e in engine.requests].count("second") == 1  # ...and was not sent again
         assert router.metric("specroute_retries_total", pool="p", backend="e", reason="protocol") == 0
         assert_recovered(router)
@@ -257,7 +268,7 @@ def test_close_delimited_bodies_are_served(version: bytes, headers: bytes) -> No
 
     with RawEngine(answer) as engine, routed(engine.url) as router:
         assert_own_answers(router, count=3)
-        assert engine.connections == 3
+        assert len({e.connection for e in engine.requests}) == 3
         assert_recovered(router)
 
 
@@ -315,7 +326,7 @@ def test_gzip_answers_reach_the_client_decoded() -> None:
         streamed = router.ask("streamed", stream=True)
         assert streamed.status_code == 200 and "content-encoding" not in streamed.headers
         assert streamed.content == b"".join(stream_events[::2])  # the usage chunk was the router's to drop
-        assert router.settled("specroute_completion_tokens_total", 7 + 1, pool="p", backend="e") == 8
+        assert router.settled("specroute_completion_tokens_total", 1 + 7, pool="p", backend="e") == 8
         assert_recovered(router)
 
 
@@ -365,7 +376,7 @@ def test_a_huge_body_is_refused_not_buffered(declared: bool) -> None:
 
     with RawEngine(answer) as engine, routed(engine.url, limits={"response_body_bytes": MiB}) as router:
         assert_upstream_failed(router.ask("huge-body"))
-        assert engine.wait_for(lambda: engine.open_connections == 0)
+        assert engine.wait_for(lambda: engine.requests[0].connection in engine.closed)
         assert engine.written < 64 * MiB, engine.written
         assert_recovered(router)
 
@@ -393,6 +404,6 @@ def test_an_unterminated_huge_event_ends_the_stream_with_one_error_event() -> No
         assert len(sent) == 2 and "[DONE]" not in sent
         error = json.loads(sent[1])["error"]
         assert error["code"] == "upstream_failed" and "byte limit" in error["message"]
-        assert engine.wait_for(lambda: engine.open_connections == 0)
+        assert engine.wait_for(lambda: engine.requests[0].connection in engine.closed)
         assert engine.written < 64 * MiB, engine.written
         assert_recovered(router)

@@ -37,7 +37,7 @@ def test_an_untrusted_engine_fails_with_a_clear_502_and_a_log_line(
     trusted.cert_pem.write_to_path(str(bundle))
     context = server_context(trusted)
     with (
-        RawEngine(answer_and_close, tls=context) as engine,
+        RawEngine(answer_and_close, keep_alive=False, tls=context) as engine,
         routed(engine.url, tls={"ca_bundle": str(bundle)}) as router,
     ):
         assert answer_text(router.ask("trusted")) == "trusted"
@@ -55,7 +55,7 @@ def test_an_untrusted_engine_fails_with_a_clear_502_and_a_log_line(
 def test_an_engine_untrusted_from_the_start_is_not_ready_and_the_log_says_why(caplog: pytest.LogCaptureFixture) -> None:
     with (
         caplog.at_level(logging.WARNING, logger="specroute"),
-        RawEngine(answer_and_close, tls=server_context(trustme.CA())) as engine,
+        RawEngine(answer_and_close, keep_alive=False, tls=server_context(trustme.CA())) as engine,
         routed(engine.url) as router,
     ):
         assert router.client.get(router.server.url + "/readyz").json()["backends"] == {"e": False}
@@ -65,7 +65,7 @@ def test_an_engine_untrusted_from_the_start_is_not_ready_and_the_log_says_why(ca
 
 def test_verify_false_accepts_any_certificate() -> None:
     with (
-        RawEngine(answer_and_close, tls=server_context(trustme.CA())) as engine,
+        RawEngine(answer_and_close, keep_alive=False, tls=server_context(trustme.CA())) as engine,
         routed(engine.url, tls={"verify": False}) as router,
     ):
         assert answer_text(router.ask("unverified")) == "unverified"
@@ -82,7 +82,7 @@ def test_a_client_certificate_for_an_engine_that_requires_one(tmp_path: Path) ->
     client.cert_chain_pems[0].write_to_path(str(cert))
     client.private_key_pem.write_to_path(str(key))
     tls = {"ca_bundle": str(bundle), "client_cert": str(cert), "client_key": str(key)}
-    with RawEngine(answer_and_close, tls=context) as engine:
+    with RawEngine(answer_and_close, keep_alive=False, tls=context) as engine:
         with routed(engine.url, tls=tls) as router:
             assert answer_text(router.ask("with-cert")) == "with-cert"
         with routed(engine.url, tls={"ca_bundle": str(bundle)}) as router:
