@@ -136,40 +136,42 @@ def test_scraper_reads_a_simulated_engine_over_http() -> None:
 
         async def scenario() -> None:
             upstream = AiohttpTransport(connections_per_origin=64, tls=ssl.create_default_context())
-            scraper = EngineScraper(pools, upstream, interval=0.05, timeout=1, stale_after=5)
-            await scraper.scrape_all()
-            # The engine states its capacity before any load: 2,097,152 tokens of KV cache, each
-            # request reserving its default answer (2,048) and the profile's overhead (86,933).
-            assert pools["fast"].backends[0].stated_concurrency == pytest.approx(23.57, abs=0.01)
-            body = json.dumps(
-                {"model": fast.model, "prompt": "def f(x):\n    return x", "max_tokens": 512, "ignore_eos": True}
-            ).encode()
-            requests = [
-                asyncio.create_task(
-                    upstream.request(
-                        engine.url,
-                        "/v1/completions",
-                        headers=[],
-                        body=body,
-                        timeouts=Timeouts(connect=1, read=5, idle=5),
-                        limits=HeadLimits(head_bytes=65536, headers=100),
+            try:
+                scraper = EngineScraper(pools, upstream, interval=0.05, timeout=1, stale_after=5)
+                await scraper.scrape_all()
+                # The engine states its capacity before any load: 2,097,152 tokens of KV cache, each
+                # request reserving its default answer (2,048) and the profile's overhead (86,933).
+                assert pools["fast"].backends[0].stated_concurrency == pytest.approx(23.57, abs=0.01)
+                body = json.dumps(
+                    {"model": fast.model, "prompt": "def f(x):\n    return x", "max_tokens": 512, "ignore_eos": True}
+                ).encode()
+                requests = [
+                    asyncio.create_task(
+                        upstream.request(
+                            engine.url,
+                            "/v1/completions",
+                            headers=[],
+                            body=body,
+                            timeouts=Timeouts(connect=1, read=5, idle=5),
+                            limits=HeadLimits(head_bytes=65536, headers=100),
+                        )
                     )
-                )
-                for _ in range(30)
-            ]
-            await asyncio.sleep(0.3)
-            await scraper.scrape_all()
-            await asyncio.sleep(0.1)  # some steps between the two: acceptance over that interval
-            await scraper.scrape_all()
-            load = pools["fast"].backends[0].engine
-            assert load.queued == 7
-            assert load.running == 23 and load.waiting == 7  # the fast profile's KV limit
-            assert load.kv_usage is not None and load.kv_usage > 0.9
-            assert load.acceptance is not None and 0.5 < load.acceptance <= 1  # code is guessed well
-            for task in requests:
-                task.cancel()
-            await asyncio.gather(*requests, return_exceptions=True)
-            await upstream.aclose()
+                    for _ in range(30)
+                ]
+                await asyncio.sleep(0.3)
+                await scraper.scrape_all()
+                await asyncio.sleep(0.1)  # some steps between the two: acceptance over that interval
+                await scraper.scrape_all()
+                load = pools["fast"].backends[0].engine
+                assert load.queued == 7
+                assert load.running == 23 and load.waiting == 7  # the fast profile's KV limit
+                assert load.kv_usage is not None and load.kv_usage > 0.9
+                assert load.acceptance is not None and 0.5 < load.acceptance <= 1  # code is guessed well
+                for task in requests:
+                    task.cancel()
+                await asyncio.gather(*requests, return_exceptions=True)
+            finally:
+                await upstream.aclose()
 
         asyncio.run(scenario())
 
@@ -195,12 +197,14 @@ def test_a_request_sent_while_a_scrape_is_out_counts_on_top_of_its_reading() -> 
         async def scenario() -> int:
             upstream = AiohttpTransport(connections_per_origin=64, tls=ssl.create_default_context())
             scraper = EngineScraper(pools, upstream, interval=1, timeout=5, stale_after=5)
-            scrape = asyncio.create_task(scraper.scrape_all())
-            await asyncio.to_thread(asked.wait, 5)
-            backend = await pool.acquire("interactive")  # sent while the engine renders its reading
-            answer.set()
-            await scrape
-            await upstream.aclose()
+            try:
+                scrape = asyncio.create_task(scraper.scrape_all())
+                await asyncio.to_thread(asked.wait, 5)
+                backend = await pool.acquire("interactive")  # sent while the engine renders its reading
+                answer.set()
+                await scrape
+            finally:
+                await upstream.aclose()
             return backend.concurrency(time.monotonic(), stale_after=5)
 
         assert asyncio.run(scenario()) == 4
