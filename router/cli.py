@@ -1,4 +1,9 @@
-"""The `specroute` command."""
+"""The `specroute` command.
+
+Building the argument parser imports nothing but argparse: each subcommand's code is imported
+when that subcommand runs, so `serve` and `check-config` never load the simulator or the
+benchmark (nor numpy and matplotlib, which only the tools need: `pip install 'specroute[tools]'`).
+"""
 
 from __future__ import annotations
 
@@ -9,21 +14,34 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-
-import uvicorn
+from pathlib import Path
+from typing import Any
 
 from router import logs
-from router.app import create_app
 from router.config import CONFIG_ENV, ConfigError, Settings, load_settings, masked
-from router.listener import uvicorn_config
-from router.server import RouterServer
+from router.content import CONTENT_KINDS
+
+# The packages of the `tools` extra; a subcommand that misses one says how to install them.
+TOOLS = frozenset({"httpx", "numpy", "matplotlib", "rich"})
+TOOLS_HINT = "pip install 'specroute[tools]'"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    args = parser().parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
+    if args.command == "check-config":
+        return _check_config(args.file)
+    if args.command == "sim":
+        return _sim(args)
+    return _serve(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(
         prog="specroute", description="OpenAI-compatible router for a speculative and a standard engine pool."
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = root.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser(
         "serve", help="run the router (with no configuration: in front of a simulated eight-node cluster)"
@@ -52,26 +70,102 @@ def main(argv: Sequence[str] | None = None) -> int:
     calibrate = sim_actions.add_parser("calibrate", help="replay the field note on the profiles and compare")
     calibrate.add_argument("--fast", default="fast", help="profile for the speculative setup")
     calibrate.add_argument("--team", default="team", help="profile for the standard setup")
-    fit = sim_actions.add_parser("fit", help="derive a profile's speed from a `specroute bench sweep` JSON")
+    fit = sim_actions.add_parser(
+        "fit", help=f"derive a profile's speed from a `specroute bench sweep` JSON (needs {TOOLS_HINT})"
+    )
     fit.add_argument("sweep", help="JSON written by `specroute bench sweep --out`")
     fit.add_argument("--base", default="team", help="profile to start from (fast, team or a file)")
     fit.add_argument("--name", help="name of the new profile")
     fit.add_argument("--out", help="write the profile here (default: print it)")
 
-    from router.bench.cli import add_parser as add_bench_parser
+    _bench_parser(commands)
+    return root
 
-    add_bench_parser(commands)
 
-    args = parser.parse_args(argv)
-    if args.command == "bench":
-        from router.bench.cli import run as run_bench
+def _bench_parser(commands: Any) -> None:
+    bench = commands.add_parser(
+        "bench", help=f"measure an OpenAI-compatible endpoint the way the note did (needs {TOOLS_HINT})"
+    )
+    scenarios = bench.add_subparsers(dest="scenario", required=True)
 
-        return run_bench(args)
-    if args.command == "check-config":
-        return _check_config(args.file)
-    if args.command == "sim":
-        return _sim(args)
-    return _serve(args)
+    def common(parser: argparse.ArgumentParser, *, target: bool) -> None:
+        if target:
+            parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+            parser.add_argument("--model", help="model name (default: the first the endpoint lists)")
+            parser.add_argument("--api-key", default="none")
+        parser.add_argument("--kind", choices=CONTENT_KINDS, default="prose", help="prompt set")
+        parser.add_argument("--max-tokens", type=int, default=512, help="fixed answer length")
+        parser.add_argument(
+            "--time-scale", type=float, default=1.0 if target else 10.0,
+            help="the target is a simulator running N times faster: report real-time figures",
+        )  # fmt: skip
+        parser.add_argument("--out", type=Path, help="directory for report.md, JSON, CSV and plots")
+
+    def mixed_options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--interactive", type=int, default=4, help="interactive users (closed loop)")
+        parser.add_argument("--batch", type=int, default=124, help="requests the batch job keeps in flight")
+        parser.add_argument("--duration", type=float, default=300, help="seconds (real time) to keep starting")
+        parser.add_argument("--think", type=float, default=5, help="an interactive user's think time, seconds")
+        parser.add_argument("--batch-header", action="store_true", help="the batch job sends X-Job-Type: batch")
+        parser.add_argument(
+            "--together", action="store_true", help="interactive users arrive at the same moment (default: apart)"
+        )
+
+    def users(value: str) -> list[int]:
+        return [int(v) for v in value.split(",") if v]
+
+    sweep_parser = scenarios.add_parser("sweep", help="one round per concurrency, like the note")
+    common(sweep_parser, target=True)
+    sweep_parser.add_argument("--users", type=users, default=[1, 2, 4, 8, 16, 32, 64, 128])
+
+    mixed_parser = scenarios.add_parser("mixed", help="interactive users beside a batch job")
+    common(mixed_parser, target=True)
+    mixed_options(mixed_parser)
+
+    compare = scenarios.add_parser("compare", help="a scenario on each layout of eight simulated nodes")
+    common(compare, target=False)
+    compare.add_argument("--scenario", dest="compared", choices=["mixed", "sweep"], default="mixed")
+    compare.add_argument("--users", type=users, default=[1, 2, 4, 8, 16, 32, 64, 128])
+    compare.add_argument(
+        "--layouts", help="mixed only: run just these, comma-separated (routed, all-speculative, all-standard, "
+        "fast-alone, team-alone)",
+    )  # fmt: skip
+    mixed_options(compare)
+
+    batchjob = scenarios.add_parser(
+        "batchjob", help="interactive users alone, then while a Batch API job runs (the router's /v1/batches)"
+    )
+    common(batchjob, target=True)
+    batchjob.add_argument("--interactive", type=int, default=4, help="interactive users (closed loop)")
+    batchjob.add_argument("--lines", type=int, default=10_000, help="requests in the batch")
+    batchjob.add_argument("--batch-max-tokens", type=int, default=64, help="answer length of each batch line")
+    batchjob.add_argument("--duration", type=float, default=300, help="seconds (real time) of each phase")
+    batchjob.add_argument("--think", type=float, default=5, help="an interactive user's think time, seconds")
+
+    spill = scenarios.add_parser(
+        "spill", help="interactive users from few to many on top of a batch job: where does routing put them?"
+    )
+    common(spill, target=False)
+    mixed_options(spill)
+    spill.set_defaults(batch=96, duration=120, think=3, max_tokens=256)
+    spill.add_argument("--users", type=users, default=[1, 2, 4, 8, 16, 32], help="interactive users per point")
+    spill.add_argument("--modes", default="adaptive,static", help="routing modes to run, comma-separated")
+
+
+def _missing_tools(command: str, exc: ModuleNotFoundError) -> int:
+    """Say how to install the tools, if a missing one is what failed; re-raise anything else."""
+    if (exc.name or "").partition(".")[0] not in TOOLS:
+        raise exc
+    print(f"specroute {command} needs the tools ({exc.name} is not installed): {TOOLS_HINT}", file=sys.stderr)
+    return 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    try:
+        from router.bench.cli import run
+    except ModuleNotFoundError as exc:
+        return _missing_tools("bench", exc)
+    return run(args)
 
 
 def _check_config(path: str) -> int:
@@ -86,7 +180,7 @@ def _check_config(path: str) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     if args.config is None and not os.environ.get(CONFIG_ENV):
-        from router.sim.cluster import serve_cluster
+        from router.demo import serve_cluster
 
         logs.configure(args.log_level, args.log_format or "text")
         asyncio.run(
@@ -123,6 +217,10 @@ def run_router(
     log_level: str,
     log_format: logs.LogFormat | None = None,
 ) -> None:
+    from router.app import create_app
+    from router.listener import uvicorn_config
+    from router.server import RouterServer
+
     logs.configure(log_level, log_format or settings.log.format)
     config = uvicorn_config(create_app(settings, load=load), settings, host=host, port=port, log_level=log_level)
     # Once uvicorn has shut down on SIGINT or SIGTERM it raises the signal again, for the handler
@@ -133,7 +231,9 @@ def run_router(
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from router.sim import calibrate, fit
+    import uvicorn
+
+    from router.sim import calibrate
     from router.sim.profile import load_profile
     from router.sim.server import create_sim_app
 
@@ -144,6 +244,10 @@ def _sim(args: argparse.Namespace) -> int:
         print(f"\n{len(checks) - len(failed)} of {len(checks)} figures within tolerance")
         return 1 if failed else 0
     if args.sim_command == "fit":
+        try:
+            from router.sim import fit
+        except ModuleNotFoundError as exc:
+            return _missing_tools("sim fit", exc)
         return fit.main(args.sweep, base=args.base, name=args.name, out=args.out)
     profile = load_profile(args.profile)
     print(f"specroute sim: {profile.name} engine ({profile.model}) at http://{args.host}:{args.port}/v1", flush=True)

@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from router.content import ContentKind
+from router.content import CONTENT_KINDS, ContentKind
 
 JobClass = Literal["interactive", "batch"]
 
@@ -350,7 +350,7 @@ class Settings(BaseSettings):
             name = getattr(self.routing, field)
             if name is not None and name not in self.pools:
                 raise ValueError(f"routing.{field}: no pool named {name!r}")
-        if set(self.routing.crossover) != {"prose", "code"}:
+        if set(self.routing.crossover) != set(CONTENT_KINDS):
             raise ValueError("routing.crossover: give both prose and code")
         backends = [b for pool in self.pools.values() for b in pool.backends]
         if len(backends) != len(set(backends)):

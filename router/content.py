@@ -7,11 +7,12 @@ speculative pool still pays. Only a bounded prefix and suffix of the text are lo
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import re2
 
 ContentKind = Literal["prose", "code"]
+CONTENT_KINDS: tuple[ContentKind, ...] = get_args(ContentKind)
 
 # Only a prefix and a suffix of the prompt are read: the system prompt and the question are where
 # a request says what it is about, and the cost per request stays bounded.

@@ -28,7 +28,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.classify import JOB_CLASSES
-from router.content import ContentKind
+from router.content import CONTENT_KINDS
 from router.learn import SpeedModel, crossover
 from router.pools import Pools
 from router.version import BuildInfo
@@ -209,7 +209,6 @@ class _LiveState(Collector):
         )
         now = time.monotonic()
         standard = [b.name for pool in self._pools if not pool.speculative for b in pool.backends]
-        kinds: tuple[ContentKind, ...] = ("prose", "code")
         for pool in self._pools:
             for backend in pool.backends:
                 key = [pool.name, backend.name]
@@ -225,7 +224,7 @@ class _LiveState(Collector):
                         if length is not None:
                             accept_length.add_metric(key, length)
                 if pool.speculative:
-                    for kind in kinds:
+                    for kind in CONTENT_KINDS:
                         level = crossover(self._speeds, backend.name, standard, kind)
                         if level is not None:
                             learned.add_metric([*key, kind], level)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from router.config import Backend as BackendConfig
 from router.config import Health as HealthConfig
 from router.config import JobClass, Settings
-from router.content import ContentKind
+from router.content import CONTENT_KINDS
 from router.errors import NoBackendAvailable
 from router.learn import SpeedModel
 from router.policy import PoolState
@@ -431,7 +431,6 @@ class Pools:
             best = min(accepting, key=lambda b: (load[b.name] / b.max_concurrency, b.name))
             concurrency = load[best.name]
             gain = best.accept_length(now, settings.scrape.acceptance_max_age)
-            kinds: tuple[ContentKind, ...] = ("prose", "code")
             ttft = min(
                 b.predicted_ttft(
                     now,
@@ -451,7 +450,7 @@ class Pools:
                 ttft=ttft,
                 speed={
                     kind: speeds.predict(best.name, kind, concurrency + 1, gain=gain, fallback=not pool.speculative)
-                    for kind in kinds
+                    for kind in CONTENT_KINDS
                 },
             )
         return states

@@ -7,11 +7,9 @@ import time
 from typing import Any
 
 from router.config import Settings
-from router.content import ContentKind
+from router.content import CONTENT_KINDS
 from router.learn import SpeedModel, crossover
 from router.pools import Backend, Pools
-
-_KINDS: tuple[ContentKind, ...] = ("prose", "code")
 
 
 def status(settings: Settings, pools: Pools, speeds: SpeedModel) -> dict[str, Any]:
@@ -49,7 +47,7 @@ def _backend(
     acceptance = backend.acceptance
     ttfts = sorted(backend.recent_ttft)
     curves = {}
-    for kind in _KINDS:
+    for kind in CONTENT_KINDS:
         curve = speeds.curve(backend.name, kind)
         if curve is not None:
             curves[kind] = [
@@ -85,5 +83,5 @@ def _backend(
         "speed_curve": curves,
     }
     if standard is not None:
-        view["learned_crossover"] = {kind: crossover(speeds, backend.name, standard, kind) for kind in _KINDS}
+        view["learned_crossover"] = {kind: crossover(speeds, backend.name, standard, kind) for kind in CONTENT_KINDS}
     return view

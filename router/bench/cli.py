@@ -1,4 +1,4 @@
-"""`specroute bench sweep | mixed | compare | spill | batchjob`."""
+"""`specroute bench sweep | mixed | compare | spill | batchjob` (their arguments: router/cli.py)."""
 
 from __future__ import annotations
 
@@ -20,79 +20,11 @@ from router.bench.batchjob import markdown as batchjob_markdown
 from router.bench.compare import run_on_layout
 from router.bench.load import Target
 from router.bench.scenarios import MixedResult, Summary, SweepRound, mixed, sweep
-from router.sim.cluster import LAYOUTS, LayoutName
+from router.demo import LAYOUTS, LayoutName
 from router.sim.profile import load_profile
 
 T = TypeVar("T")
 console = Console(stderr=True)
-
-
-def add_parser(commands: Any) -> None:
-    bench = commands.add_parser("bench", help="measure an OpenAI-compatible endpoint the way the note did")
-    scenarios = bench.add_subparsers(dest="scenario", required=True)
-
-    def common(parser: argparse.ArgumentParser, *, target: bool) -> None:
-        if target:
-            parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
-            parser.add_argument("--model", help="model name (default: the first the endpoint lists)")
-            parser.add_argument("--api-key", default="none")
-        parser.add_argument("--kind", choices=["prose", "code"], default="prose", help="prompt set")
-        parser.add_argument("--max-tokens", type=int, default=512, help="fixed answer length")
-        parser.add_argument(
-            "--time-scale", type=float, default=1.0 if target else 10.0,
-            help="the target is a simulator running N times faster: report real-time figures",
-        )  # fmt: skip
-        parser.add_argument("--out", type=Path, help="directory for report.md, JSON, CSV and plots")
-
-    def mixed_options(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--interactive", type=int, default=4, help="interactive users (closed loop)")
-        parser.add_argument("--batch", type=int, default=124, help="requests the batch job keeps in flight")
-        parser.add_argument("--duration", type=float, default=300, help="seconds (real time) to keep starting")
-        parser.add_argument("--think", type=float, default=5, help="an interactive user's think time, seconds")
-        parser.add_argument("--batch-header", action="store_true", help="the batch job sends X-Job-Type: batch")
-        parser.add_argument(
-            "--together", action="store_true", help="interactive users arrive at the same moment (default: apart)"
-        )
-
-    def users(value: str) -> list[int]:
-        return [int(v) for v in value.split(",") if v]
-
-    sweep_parser = scenarios.add_parser("sweep", help="one round per concurrency, like the note")
-    common(sweep_parser, target=True)
-    sweep_parser.add_argument("--users", type=users, default=[1, 2, 4, 8, 16, 32, 64, 128])
-
-    mixed_parser = scenarios.add_parser("mixed", help="interactive users beside a batch job")
-    common(mixed_parser, target=True)
-    mixed_options(mixed_parser)
-
-    compare = scenarios.add_parser("compare", help="a scenario on each layout of eight simulated nodes")
-    common(compare, target=False)
-    compare.add_argument("--scenario", dest="compared", choices=["mixed", "sweep"], default="mixed")
-    compare.add_argument("--users", type=users, default=[1, 2, 4, 8, 16, 32, 64, 128])
-    compare.add_argument(
-        "--layouts", help="mixed only: run just these, comma-separated (routed, all-speculative, all-standard, "
-        "fast-alone, team-alone)",
-    )  # fmt: skip
-    mixed_options(compare)
-
-    batchjob = scenarios.add_parser(
-        "batchjob", help="interactive users alone, then while a Batch API job runs (the router's /v1/batches)"
-    )
-    common(batchjob, target=True)
-    batchjob.add_argument("--interactive", type=int, default=4, help="interactive users (closed loop)")
-    batchjob.add_argument("--lines", type=int, default=10_000, help="requests in the batch")
-    batchjob.add_argument("--batch-max-tokens", type=int, default=64, help="answer length of each batch line")
-    batchjob.add_argument("--duration", type=float, default=300, help="seconds (real time) of each phase")
-    batchjob.add_argument("--think", type=float, default=5, help="an interactive user's think time, seconds")
-
-    spill = scenarios.add_parser(
-        "spill", help="interactive users from few to many on top of a batch job: where does routing put them?"
-    )
-    common(spill, target=False)
-    mixed_options(spill)
-    spill.set_defaults(batch=96, duration=120, think=3, max_tokens=256)
-    spill.add_argument("--users", type=users, default=[1, 2, 4, 8, 16, 32], help="interactive users per point")
-    spill.add_argument("--modes", default="adaptive,static", help="routing modes to run, comma-separated")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from router.bench.load import Target
-from router.sim.cluster import LayoutName, layout, serve_cluster
+from router.demo import LayoutName, layout, serve_cluster
 
 T = TypeVar("T")
 

@@ -1,8 +1,10 @@
-"""Simulated clusters behind the router, in one process.
+"""Simulated clusters behind the router, in one process: the one module that composes the two.
 
-The embedded default (`specroute serve` with no configuration) is the `routed` layout: four
-nodes run the engine with speculation (pool `fast`), four without (pool `team`). The benchmark's
-`compare` also runs the other ways to use the same eight nodes: all speculative, all standard.
+The router does not know the simulator and the simulator does not know the router; this module
+stands apart from both and puts them together. The embedded default (`specroute serve` with no
+configuration) is the `routed` layout: four nodes run the engine with speculation (pool `fast`),
+four without (pool `team`). The benchmark's `compare` also runs the other ways to use the same
+eight nodes: all speculative, all standard.
 Each engine listens on a loopback port the OS picks; the router listens where it is told.
 """
 

@@ -1,0 +1,127 @@
+"""Who may import whom (docs/architecture.md), read from the source with `ast`, and checked once
+more in a fresh interpreter: what `serve` and `check-config` load, and what `bench` says without
+the tools installed."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "router"
+
+# What the simulator may use of the router's package: the shared text helpers, nothing of the proxy.
+SIM_MAY_IMPORT = ("router.sim", "router.content", "router.prompts")
+# Network and concurrency: what a pure decision must not reach, even through another module.
+IO = (
+    "asyncio", "socket", "ssl", "selectors", "http.client", "urllib.request", "anyio", "uvloop", "uvicorn",
+    "httptools", "httpx", "aiohttp", "router.upstream", "router.proxy", "router.app", "router.server",
+    "router.runtime", "router.health", "router.scrape", "router.models", "router.pools", "router.admin",
+)  # fmt: skip
+DECISIONS = ("router.classify", "router.policy")
+# The tools and what only they need; the router's core never loads them.
+TOOLS = ("router.sim", "router.bench", "router.demo", "numpy", "matplotlib", "rich", "httpx")
+COMPOSERS = ("router.cli", "router.demo")  # they put router and tools together, as their job
+
+
+def _name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(module: str, *, top_level_only: bool = False) -> Iterator[str]:
+    tree = ast.parse(MODULES[module].read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module != "__future__":
+            yield node.module
+            # `from router import sse` imports the module router.sse.
+            yield from (f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES)
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _reach(module: str) -> set[str]:
+    """The module and every module of the package it imports, directly or through another."""
+    seen, todo = set(), [module]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        todo += [name for name in _imports(current) if name in MODULES]
+    return seen
+
+
+def test_the_rules_see_the_package() -> None:
+    assert {"router.cli", "router.demo", "router.sim.server", "router.classify", "router.bench.cli"} <= MODULES.keys()
+    assert "router.content" in set(_imports("router.sim.server"))
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if _under(m, ("router.sim",))])
+def test_the_simulator_uses_only_the_shared_text_helpers(module: str) -> None:
+    used = {name for name in _imports(module) if _under(name, ("router",)) and name != "router"}
+    assert {name for name in used if not _under(name, SIM_MAY_IMPORT)} == set()
+
+
+@pytest.mark.parametrize("module", DECISIONS)
+def test_decisions_do_no_io(module: str) -> None:
+    reached = _reach(module)
+    found = {(m, name) for m in reached for name in _imports(m) if _under(name, IO)}
+    assert found == set()
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if not _under(m, TOOLS + COMPOSERS)])
+def test_the_router_core_never_imports_the_tools(module: str) -> None:
+    assert {name for name in _imports(module) if _under(name, TOOLS)} == set()
+
+
+def test_the_cli_imports_a_subcommand_only_when_it_runs() -> None:
+    heavy = TOOLS + ("router.app", "uvicorn")
+    assert {name for name in _imports("router.cli", top_level_only=True) if _under(name, heavy)} == set()
+
+
+def _loaded_after(code: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after running `code`."""
+    probe = code + "\nimport sys\nprint('\\n'.join(sys.modules))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
+    return set(result.stdout.split())
+
+
+def test_serving_and_checking_a_config_load_no_tool(tmp_path: Path) -> None:
+    config = tmp_path / "router.yaml"
+    config.write_text("pools:\n  fast:\n    speculative: true\n    backends:\n      fast-1: {url: 'http://127.0.0.1:9'}\n")
+    for code, not_needed in (
+        (f"from router.cli import main; main(['check-config', {str(config)!r}])", ("router.app", "uvicorn")),
+        ("from router.cli import parser; parser().parse_args(['bench', 'sweep', '--base-url', 'x'])", ("uvicorn",)),
+        ("import router.app, router.server, router.cli", ()),
+    ):
+        loaded = _loaded_after(code)
+        assert {name for name in loaded if _under(name, TOOLS + not_needed)} == set(), code
+
+
+def test_bench_without_the_tools_says_how_to_install_them() -> None:
+    # As if `rich` were not installed: an import of a module mapped to None fails as a missing one.
+    code = "import sys; sys.modules['rich'] = None\nfrom router.cli import main\nsys.exit(main(sys.argv[1:]))"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "bench", "sweep", "--base-url", "http://127.0.0.1:9/v1"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1
+    assert "pip install 'specroute[tools]'" in result.stderr
+    assert "Traceback" not in result.stderr
