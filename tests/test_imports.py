@@ -90,7 +90,7 @@ def test_the_router_core_never_imports_the_tools(module: str) -> None:
 
 
 def test_the_cli_imports_a_subcommand_only_when_it_runs() -> None:
-    heavy = TOOLS + ("router.app", "uvicorn")
+    heavy = (*TOOLS, "router.app", "uvicorn")
     assert {name for name in _imports("router.cli", top_level_only=True) if _under(name, heavy)} == set()
 
 
@@ -104,14 +104,16 @@ def _loaded_after(code: str) -> set[str]:
 
 def test_serving_and_checking_a_config_load_no_tool(tmp_path: Path) -> None:
     config = tmp_path / "router.yaml"
-    config.write_text("pools:\n  fast:\n    speculative: true\n    backends:\n      fast-1: {url: 'http://127.0.0.1:9'}\n")
+    config.write_text(
+        "pools:\n  fast:\n    speculative: true\n    backends:\n      fast-1: {url: 'http://127.0.0.1:9'}\n"
+    )
     for code, not_needed in (
         (f"from router.cli import main; main(['check-config', {str(config)!r}])", ("router.app", "uvicorn")),
         ("from router.cli import parser; parser().parse_args(['bench', 'sweep', '--base-url', 'x'])", ("uvicorn",)),
         ("import router.app, router.server, router.cli", ()),
     ):
         loaded = _loaded_after(code)
-        assert {name for name in loaded if _under(name, TOOLS + not_needed)} == set(), code
+        assert {name for name in loaded if _under(name, (*TOOLS, *not_needed))} == set(), code
 
 
 def test_bench_without_the_tools_says_how_to_install_them() -> None:
