@@ -67,4 +67,6 @@ class ModelCatalog:
             data = json.loads(body).get("data", []) if status == 200 else []
         except (TransportError, TimeoutError, ValueError, AttributeError):
             return []  # an unreachable backend contributes nothing; /readyz reports it
+        if not isinstance(data, list):
+            return []  # nor does one whose answer is no list of models, e.g. {"data": 5}
         return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -10,6 +9,7 @@ from router.config import Settings
 from router.content import CONTENT_KINDS
 from router.learn import SpeedModel, crossover
 from router.pools import Backend, Pools
+from router.quantiles import percentile
 
 
 def status(settings: Settings, pools: Pools, speeds: SpeedModel) -> dict[str, Any]:
@@ -45,7 +45,7 @@ def _backend(
 ) -> dict[str, Any]:
     engine = backend.engine
     acceptance = backend.acceptance
-    ttfts = sorted(backend.recent_ttft)
+    ttfts = list(backend.recent_ttft)
     curves = {}
     for kind in CONTENT_KINDS:
         curve = speeds.curve(backend.name, kind)
@@ -76,8 +76,8 @@ def _backend(
         },
         "oldest_waiting_first_token_seconds": round(backend.oldest_waiting_first_token(now), 3),
         "ttft_seconds": {
-            "p50": statistics.median(ttfts) if ttfts else None,
-            "p95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))] if ttfts else None,
+            "p50": percentile(ttfts, 0.5),
+            "p95": percentile(ttfts, 0.95),
             "samples": len(ttfts),
         },
         "speed_curve": curves,

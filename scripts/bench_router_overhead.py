@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import math
 import os
 import statistics
 import subprocess
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import httpx
 from loopback import free_port, wait_until_up
+
+from router.quantiles import percentile
 
 UPSTREAM = textwrap.dedent(
     """
@@ -100,8 +103,7 @@ async def run(url: str, streams: int, chunks: int, interval: float) -> tuple[lis
 
 
 def pct(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+    return percentile(values, share) or math.nan
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import minimize  # type: ignore[import-untyped]
 
+from router.sim.calibrate import FIGURES
 from router.sim.profile import PROFILE_DIR, Profile
 from router.sim.replay import replay_round
 
@@ -38,23 +39,8 @@ KV_TOKENS = 2_097_152  # "a cache sized for over 2 million tokens"
 FAST_OVERHEAD = int(0.96 * KV_TOKENS / 23) - 600  # 23 requests (prompt + 512 + overhead) fill 96 %
 TEAM_OVERHEAD = 6100  # 128 requests use 41 %
 
-# (setup, users, content, figure, target, weight); "under 3 s" is aimed at 2.7 s.
-TARGETS = [
-    ("fast", 1, "prose", "per_user_tps", 57, 1.0),
-    ("fast", 1, "code", "per_user_tps", 104, 2.0),
-    ("fast", 4, "prose", "per_user_tps", 29.8, 1.0),
-    ("fast", 4, "code", "per_user_tps", 42, 1.0),
-    ("fast", 128, "prose", "total_tps", 240, 1.0),
-    ("fast", 128, "prose", "worst_ttft", 238, 1.0),
-    ("fast", 32, "prose", "worst_ttft", 48, 0.5),
-    ("fast", 64, "prose", "worst_ttft", 98, 0.5),
-    ("team", 4, "prose", "per_user_tps", 29.0, 1.0),
-    ("team", 4, "code", "per_user_tps", 29.0, 1.0),
-    ("team", 128, "prose", "total_tps", 535, 1.0),
-    ("team", 128, "code", "total_tps", 508, 1.0),
-    ("team", 128, "prose", "worst_ttft", 2.7, 3.0),
-    ("team", 128, "code", "worst_ttft", 3.1, 3.0),
-]
+# The published figures with a weight: the one table that `specroute sim calibrate` checks.
+TARGETS = [figure for figure in FIGURES if figure.weight]
 
 
 def profiles(v: dict[str, float]) -> tuple[Profile, Profile]:
@@ -76,15 +62,15 @@ def loss(v: dict[str, float], verbose: bool = False) -> float:
     fast, team = profiles(v)
     rounds: dict[tuple[str, int, str], Any] = {}
     total = 0.0
-    for setup, users, kind, figure, target, weight in TARGETS:
-        key = (setup, users, kind)
+    for figure in TARGETS:
+        key = (figure.setup, figure.users, figure.kind)
         if key not in rounds:
-            profile = fast if setup == "fast" else team
-            rounds[key] = [replay_round(profile, users, kind, seed=seed) for seed in range(SEEDS)]  # type: ignore[arg-type]
-        got = sum(getattr(r, figure) for r in rounds[key]) / SEEDS
-        total += weight * math.log(got / target) ** 2
+            profile = fast if figure.setup == "fast" else team
+            rounds[key] = [replay_round(profile, figure.users, figure.kind, seed=seed) for seed in range(SEEDS)]
+        got = sum(figure.read(r) for r in rounds[key]) / SEEDS
+        total += figure.weight * math.log(got / figure.aim) ** 2
         if verbose:
-            print(f"{setup:5} {users:4} {kind:6} {figure:13} {target:8.1f} {got:9.2f} {got / target - 1:+7.1%}")
+            print(f"{figure.setup:5} {figure.label:40} {figure.aim:8.1f} {got:9.2f} {got / figure.aim - 1:+7.1%}")
     return total
 
 

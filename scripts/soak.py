@@ -11,6 +11,10 @@ refused, and started again on its port 5 s later (health checks readmit it).
 Faults at the clients: cancellations before the response, right after it starts, mid-stream;
 non-streaming requests; a batch client with many requests in flight; a few invalid bodies.
 Clients back off 1 s after a 503, as its Retry-After asks; otherwise there is no think time.
+With --wire the engines also misbehave on the wire: interim 1xx answers before the real one, and
+answers sent a second time, unasked, on idle keep-alive connections. Every request carries its
+own X-Request-Id and the engine echoes it in its answer's id: an answer with another request's
+id is unexpected.
 
 At the end: every request's outcome (an `unexpected` one is a defect: a 500, a stream cut
 without an error event, an error not in OpenAI's shape, a client-side exception); the router's
@@ -19,6 +23,7 @@ request left open); the router's RSS over time (must be flat).
 
     python scripts/soak.py --requests 10000 --out docs/soak/10k      # the 10,000-request run
     python scripts/soak.py --duration 1800 --out docs/soak/30min     # the 30-minute soak
+    python scripts/soak.py --requests 1000 --wire --out /tmp/soak     # faults on the wire too
 
 Exit status 1 if any of the proofs fails.
 """
@@ -40,114 +45,39 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import uvicorn
 from loopback import free_port, wait_until_up
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' fake engine, from the repo
+from tests.fake_engine import Chaos, FakeEngine, Fault
+from tests.wire import WireChaos, WireServer
 
 MODEL = "soak-model"
 TOKEN_DELAY = 0.03  # seconds between an engine's tokens
-FAULTS = {"503": 0.03, "die": 0.02, "stall": 0.01}  # per request, at the engine
+FAULTS: dict[Fault, float] = {"503": 0.03, "die": 0.02, "stall": 0.01}  # per request, at the engine
+# With --wire: a tenth of the answers come after `100 Continue` and `103 Early Hints`, and a tenth
+# are sent a second time on the idle connection: a client that read that copy as the answer to its
+# next request would hand one client another's answer.
+WIRE_CHAOS = WireChaos(interim=0.1, late=0.1, late_after=0.02)
 
 
 # ---------------------------------------------------------------------------------------------
-# The chaos engine (`soak.py engine --port P`): vLLM's stream format, random faults.
+# The chaos engine (`soak.py engine --port P`): the tests' fake engine, drawing faults per request;
+# with --wire, served by a small server of the tests' that also misbehaves on the wire.
 
 
-def engine_app() -> Any:
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
-    from starlette.routing import Route
+def run_engine(port: int, *, wire: bool, seed: int) -> None:
+    engine = FakeEngine(model=MODEL, token_delay=TOKEN_DELAY, chaos=Chaos(FAULTS, seed=seed), record=False)
+    if not wire:
+        uvicorn.run(engine.app(), host="127.0.0.1", port=port, log_level="error", access_log=False)
+        return
 
-    stats = Counter[str]()
+    async def serve() -> None:
+        server = await WireServer(engine.app(), WIRE_CHAOS).start("127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
 
-    def fault() -> str | None:
-        draw = random.random()
-        for name, share in FAULTS.items():
-            if draw < share:
-                return name
-            draw -= share
-        return None
-
-    async def generate(request: Request) -> Response:
-        body = await request.json()
-        tokens = int(body.get("max_tokens") or 16)
-        what = fault()
-        stats["requests"] += 1
-        if what == "503":
-            stats["answered_503"] += 1
-            error = {"message": "overloaded", "type": "ServiceUnavailableError", "param": None, "code": 503}
-            return JSONResponse({"error": error}, status_code=503)
-        if not body.get("stream"):
-            stats["open"] += 1
-            try:
-                deadline = time.monotonic() + TOKEN_DELAY * tokens
-                while time.monotonic() < deadline:
-                    if await request.is_disconnected():
-                        stats["aborted"] += 1
-                        return Response(status_code=499)
-                    await asyncio.sleep(0.01)
-            finally:
-                stats["open"] -= 1
-            usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}
-            message = {"role": "assistant", "content": " ".join(f"w{i}" for i in range(tokens))}
-            choice = {"index": 0, "message": message, "finish_reason": "length"}
-            return JSONResponse(
-                {"id": "c", "object": "chat.completion", "model": MODEL, "choices": [choice], "usage": usage}
-            )
-        breaks_at = random.randrange(1, tokens) if what in ("die", "stall") and tokens > 1 else None
-        return StreamingResponse(stream(tokens, what, breaks_at, body), media_type="text/event-stream")
-
-    async def stream(tokens: int, what: str | None, breaks_at: int | None, body: dict[str, Any]) -> Any:
-        stats["open"] += 1
-        finished = False
-        try:
-            base = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL}
-            yield event({**base, "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
-            for i in range(tokens):
-                if i == breaks_at:
-                    if what == "die":
-                        stats["died"] += 1
-                        raise ConnectionAbortedError("chaos: the engine dies mid-stream")
-                    stats["stalled"] += 1
-                    await asyncio.sleep(3600)
-                await asyncio.sleep(TOKEN_DELAY)
-                yield event({**base, "choices": [{"index": 0, "delta": {"content": f"w{i} "}}]})
-            yield event({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
-            if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}
-                yield event({**base, "choices": [], "usage": usage})
-            yield "data: [DONE]\n\n"
-            finished = True
-        finally:
-            stats["open"] -= 1
-            if not finished and what is None:
-                stats["aborted"] += 1
-
-    def event(payload: dict[str, Any]) -> str:
-        return f"data: {json.dumps(payload)}\n\n"
-
-    async def health(request: Request) -> Response:
-        return Response(status_code=200)
-
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "soak"}]})
-
-    async def stats_view(request: Request) -> Response:
-        return JSONResponse(dict(stats))
-
-    return Starlette(
-        routes=[
-            Route("/v1/chat/completions", generate, methods=["POST"]),
-            Route("/health", health),
-            Route("/v1/models", models),
-            Route("/stats", stats_view),
-        ]
-    )
-
-
-def run_engine(port: int) -> None:
-    import uvicorn
-
-    uvicorn.run(engine_app(), host="127.0.0.1", port=port, log_level="error", access_log=False)
+    asyncio.run(serve())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,8 +85,10 @@ def run_engine(port: int) -> None:
 
 
 class Engine:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, wire: bool, seed: int) -> None:
         self.name = name
+        self.wire = wire
+        self.seed = seed
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = self._start()
@@ -164,7 +96,8 @@ class Engine:
 
     def _start(self) -> subprocess.Popen[bytes]:
         # Its dying streams make uvicorn log a traceback each: not news here.
-        command = [sys.executable, __file__, "engine", "--port", str(self.port)]
+        command = [sys.executable, __file__, "engine", "--port", str(self.port), "--seed", str(self.seed)]
+        command += ["--wire"] if self.wire else []
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def kill(self) -> None:
@@ -173,6 +106,7 @@ class Engine:
         self.outages += 1
 
     def restart(self) -> None:
+        self.seed += 1000  # a new incarnation draws other faults
         self.process = self._start()
 
     def stats(self) -> dict[str, int]:
@@ -231,7 +165,11 @@ async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, u
     if invalid:
         content = content[: len(content) // 2]
     cancel = rng.choice(["before-response", "after-start", "mid-stream"]) if rng.random() < 0.08 else None
-    headers = {"content-type": "application/json"}
+    # The engine answers with this id in its own (`cmpl-<id>`): an answer with another id was
+    # meant for another request.
+    request_id = f"{user}-{rng.getrandbits(64):016x}"
+    headers = {"content-type": "application/json", "x-request-id": request_id}
+    own = f"cmpl-{request_id}"
 
     async def send() -> str:
         async with client.stream("POST", url, content=content, headers=headers) as response:
@@ -244,12 +182,16 @@ async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, u
                 return "unexpected:invalid-body-accepted"
             if not streaming:
                 answer = json.loads(await response.aread())
+                if answer.get("id") != own:
+                    return "unexpected:another-request's-answer"
                 return "ok" if answer.get("choices") else "unexpected:no-choices"
             events = []
             stop_after = rng.randrange(1, 8) if cancel == "mid-stream" else None
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
+                    if f'"id": "{own}"' not in line and '"id": "cmpl-' in line:
+                        return "unexpected:another-request's-answer"
                     if stop_after is not None and len(events) >= stop_after:
                         return "cancelled"
             return stream_outcome(events)
@@ -341,7 +283,7 @@ def settle(check: Any, timeout: float = 15) -> Any:
 def soak(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    fast, team = Engine("fast-1"), Engine("team-1")
+    fast, team = Engine("fast-1", wire=args.wire, seed=args.seed), Engine("team-1", wire=args.wire, seed=args.seed + 1)
     engines = [fast, team]
     port = free_port()
     config = Path(tempfile.mkdtemp()) / "router.yaml"
@@ -484,6 +426,9 @@ def main() -> int:
     commands = parser.add_subparsers(dest="command")
     engine = commands.add_parser("engine", help="run one chaos engine (used by the soak itself)")
     engine.add_argument("--port", type=int, required=True)
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--wire", action="store_true")
+    parser.add_argument("--wire", action="store_true", help="engines also misbehave on the wire: 1xx, late copies")
     parser.add_argument("--requests", type=int, help="stop after this many requests")
     parser.add_argument("--duration", type=float, help="stop after this many seconds")
     parser.add_argument("--concurrency", type=int, default=48, help="requests in flight from the load generator")
@@ -493,7 +438,7 @@ def main() -> int:
     parser.add_argument("--out", default="soak-results")
     args = parser.parse_args()
     if args.command == "engine":
-        run_engine(args.port)
+        run_engine(args.port, wire=args.wire, seed=args.seed)
         return 0
     if args.requests is None and args.duration is None:
         parser.error("give --requests or --duration")

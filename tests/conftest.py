@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ from router.app import create_app
 from router.config import Settings, load_settings
 from tests.fake_engine import FakeEngine
 from tests.servers import ServerThread
+from tests.wait import wait_until
 
 
 class Cluster:
@@ -42,15 +44,14 @@ class Cluster:
         return 0.0 if value is None else value
 
     def settled_metric(self, name: str, expected: float, **labels: str) -> float:
-        """The metric once it reads `expected`, or its value after 2 s.
+        """The metric once it reads `expected`, or its value when the wait is over.
 
         The router records a request just after its last byte went out, in another thread,
         so a test that has read the whole response may be a moment early.
         """
-        deadline = time.monotonic() + 2
-        while (value := self.metric(name, **labels)) != expected and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return value
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: self.metric(name, **labels) == expected, message=f"{name} == {expected}")
+        return self.metric(name, **labels)
 
 
 def settings_for(fast_url: str, team_url: str, **overrides: Any) -> Settings:

@@ -1,17 +1,23 @@
-"""A small OpenAI-compatible engine for the router's tests, speaking vLLM's stream format.
+"""A small OpenAI-compatible engine for the router's tests and the soak, in vLLM's stream format.
 
 It records every request it receives and counts the requests it is still serving, so a test
-can see what was forwarded and whether a cancelled request was closed upstream.
+can see what was forwarded and whether a cancelled request was closed upstream. Every answer
+carries the request's own `X-Request-Id` in its `id` (`cmpl-<id>`), so a client can tell its
+answer from another request's. Faults are set by a test (`fail_status`, `die_after`, ...) or
+drawn per request (`chaos`, for the soak); faults on the wire itself (interim 1xx answers,
+answers nobody asked for) need the engine served by tests/wire.py instead of uvicorn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -19,12 +25,24 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tests.wait import TIMEOUT, wait_until
+
+Fault = Literal["503", "die", "stall"]
+
 
 @dataclass
 class Seen:
     path: str
     headers: dict[str, str]
     body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Chaos:
+    """Faults drawn per request, each with its share of the requests."""
+
+    shares: dict[Fault, float] = field(default_factory=lambda: {"503": 0.03, "die": 0.02, "stall": 0.01})
+    seed: int | None = None
 
 
 @dataclass
@@ -44,12 +62,17 @@ class FakeEngine:
     script: list[bytes] | None = None  # stream exactly these pieces, each its own write
     metrics: str | None = None  # what GET /metrics answers (None: 404, as an engine without it)
     metrics_served: int = 0
+    chaos: Chaos | None = None  # draw a fault per request
+    record: bool = True  # keep every request in `requests` (a soak counts them in `stats` only)
+    models_answer: Any = None  # answer /v1/models with this JSON instead of the model list
+    stats: Counter[str] = field(default_factory=Counter)  # requests, faults drawn, aborted
 
-    def wait_idle(self, timeout: float = 1.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while self.open and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return self.open == 0
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.chaos.seed if self.chaos else None)
+
+    def wait_idle(self, timeout: float = TIMEOUT) -> bool:
+        wait_until(lambda: self.open == 0, timeout=timeout, message="the engine idle")
+        return True
 
     def app(self) -> Starlette:
         return Starlette(
@@ -61,12 +84,15 @@ class FakeEngine:
                 Route("/v1/models", self._models),
                 Route("/health", self._health),
                 Route("/metrics", self._metrics),
+                Route("/stats", self._stats),
             ]
         )
 
     async def _record(self, request: Request) -> dict[str, Any]:
         body: dict[str, Any] = await request.json()
-        self.requests.append(Seen(request.url.path, dict(request.headers), body))
+        self.stats["requests"] += 1
+        if self.record:
+            self.requests.append(Seen(request.url.path, dict(request.headers), body))
         if not isinstance(body.get("model"), str):
             # Like an engine: a request it cannot read is the client's error, not its own.
             raise HTTPException(400, "model must be a string")
@@ -81,7 +107,23 @@ class FakeEngine:
         self.metrics_served += 1
         return Response(self.metrics, media_type="text/plain; version=0.0.4")
 
+    async def _stats(self, request: Request) -> Response:
+        return JSONResponse({**self.stats, "open": self.open, "aborted": self.aborted})
+
+    def _draw(self) -> Fault | None:
+        if self.chaos is None:
+            return None
+        draw = self._rng.random()
+        for fault, share in self.chaos.shares.items():
+            if draw < share:
+                self.stats[fault] += 1
+                return fault
+            draw -= share
+        return None
+
     async def _models(self, request: Request) -> Response:
+        if self.models_answer is not None:
+            return JSONResponse(self.models_answer)
         return JSONResponse(
             {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "fake"}]}
         )
@@ -103,10 +145,12 @@ class FakeEngine:
 
     async def _generate(self, request: Request) -> Response:
         body = await self._record(request)
-        if self.fail_status is not None and self.fail_count != 0:
-            self.fail_count -= 1
+        fault = self._draw()
+        if fault == "503" or (self.fail_status is not None and self.fail_count != 0):
+            if fault is None:
+                self.fail_count -= 1
             error = {"message": "overloaded", "type": "ServiceUnavailableError", "param": None, "code": 503}
-            return JSONResponse({"error": error}, status_code=self.fail_status)
+            return JSONResponse({"error": error}, status_code=self.fail_status or 503)
         if body.get("model") != self.model:
             return JSONResponse(
                 {
@@ -120,6 +164,7 @@ class FakeEngine:
                 status_code=404,
             )
         chat = request.url.path.endswith("chat/completions")
+        answer_id = f"cmpl-{request.headers.get('x-request-id', '1')}"
         tokens = body.get("max_tokens") or 8
         options = body.get("stream_options") or {}
         if (
@@ -132,7 +177,12 @@ class FakeEngine:
             return StreamingResponse(self._scripted(self.script), media_type="text/event-stream")
         if body.get("stream"):
             usage = bool(options.get("include_usage"))
-            return StreamingResponse(self._stream(chat, tokens, usage), media_type="text/event-stream")
+            die_at, stall_at = self.die_after, self.stall_after
+            if fault in ("die", "stall") and tokens > 1:
+                at = self._rng.randrange(1, tokens)
+                die_at, stall_at = (at, None) if fault == "die" else (None, at)
+            stream = self._stream(answer_id, chat, tokens, usage, die_at=die_at, stall_at=stall_at)
+            return StreamingResponse(stream, media_type="text/event-stream")
         self.open += 1
         try:
             # A plain endpoint is not cancelled when its client leaves: look, as engines do.
@@ -152,7 +202,7 @@ class FakeEngine:
         )
         return JSONResponse(
             {
-                "id": "cmpl-1",
+                "id": answer_id,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": 0,
                 "model": self.model,
@@ -166,19 +216,21 @@ class FakeEngine:
             yield piece
             await asyncio.sleep(0.002)  # a write of its own, and most often a TCP segment of its own
 
-    async def _stream(self, chat: bool, tokens: int, usage: bool) -> AsyncIterator[str]:
+    async def _stream(
+        self, answer_id: str, chat: bool, tokens: int, usage: bool, *, die_at: int | None, stall_at: int | None
+    ) -> AsyncIterator[str]:
         self.open += 1
         finished = False
         try:
-            base = {"id": "cmpl-1", "created": 0, "model": self.model}
+            base = {"id": answer_id, "created": 0, "model": self.model}
             kind = "chat.completion.chunk" if chat else "text_completion"
             if chat:
                 yield _event({**base, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
             await asyncio.sleep(self.first_token_delay)
             for i in range(tokens):
-                if i == self.die_after:
+                if i == die_at:
                     raise ConnectionAbortedError("fake engine dies mid-stream")
-                if i == self.stall_after:
+                if i == stall_at:
                     await asyncio.sleep(3600)
                 if i:
                     await asyncio.sleep(self.token_delay)

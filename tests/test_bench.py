@@ -21,6 +21,7 @@ from tests.servers import ServerThread
 SCALE = 10
 
 
+@pytest.mark.e2e
 def test_sweep_measures_delivered_tokens_and_fits_a_profile() -> None:
     team = load_profile("team")
     with ServerThread(create_sim_app(team, time_scale=SCALE)) as engine:
@@ -70,12 +71,18 @@ def test_sim_fit_command_writes_a_loadable_profile(tmp_path: Path, capsys: pytes
     assert "measured tok/s" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(600)  # three simulated clusters in turn: minutes on a busy machine
 def test_compare_mixed_routed_beats_both_single_layouts(tmp_path: Path) -> None:
     """Direction only: routed beats both single layouts for interactive speed, and all-speculative
-    for the worst first token, which it keeps under 3 s. The full figures live in docs/benchmarks.md."""
+    for the worst first token, which it keeps under 3 s. The full figures live in docs/benchmarks.md.
+
+    At half the other tests' speed-up: a simulator running ten times faster than real time falls
+    behind on a machine whose cores are busy with other work, and the figures with it."""
     code = main(
         ["bench", "compare", "--scenario", "mixed", "--interactive", "2", "--batch", "60", "--duration", "40",
-         "--think", "2", "--max-tokens", "64", "--time-scale", str(SCALE), "--out", str(tmp_path)]
+         "--think", "2", "--max-tokens", "64", "--time-scale", str(SCALE / 2), "--out", str(tmp_path),
+         "--layouts", "routed,all-speculative,all-standard"]
     )  # fmt: skip
     assert code == 0
     for name in ("report.md", "mixed.json", "mixed.csv", "mixed.png"):

@@ -94,10 +94,10 @@ def test_slow_body_is_408(make_cluster: Any) -> None:
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b'Content-Length: 100\r\n\r\n{"model":'
         )
-        sock.settimeout(5)
+        sock.settimeout(30)
         started = time.monotonic()
         answer = sock.recv(65536)
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 10  # at the body timeout, not the socket's
         assert answer.startswith(b"HTTP/1.1 408")
         assert b'"code":"body_timeout"' in answer.replace(b" ", b"")
         _nothing_forwarded(cluster)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-import time
 from typing import Any
 
 import httpx
@@ -13,16 +13,18 @@ import openai
 import pytest
 
 from tests.conftest import Cluster
+from tests.wait import wait_until
 
 
 def _access_lines(caplog: pytest.LogCaptureFixture, count: int = 1) -> list[str]:
     """The access-log lines, once `count` are there: the router logs just after the last byte."""
-    deadline = time.monotonic() + 2
-    while True:
-        lines = [r.getMessage() for r in caplog.records if r.name == "specroute.access"]
-        if len(lines) >= count or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.005)
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "specroute.access"]
+
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: len(lines()) >= count, message=f"{count} access-log lines")
+    return lines()
 
 
 def _client(cluster: Cluster, **kwargs: Any) -> openai.OpenAI:
@@ -189,6 +191,15 @@ def test_models_is_the_deduplicated_union(make_cluster: Any) -> None:
         assert ids == ["other-model", "test-model"]
     with make_cluster() as cluster:
         assert [m.id for m in _client(cluster).models.list()] == ["test-model"]
+
+
+@pytest.mark.parametrize("answer", [{"data": 5}, {"data": "x"}, {"data": [5, {"id": 3}, None]}, [1, 2], 7])
+def test_models_ignores_a_malformed_engine_answer(make_cluster: Any, answer: Any) -> None:
+    with make_cluster() as cluster:
+        cluster.team.models_answer = answer
+        response = httpx.get(cluster.base_url + "/models", headers={"authorization": "Bearer client-key"})
+        assert response.status_code == 200
+        assert [m["id"] for m in response.json()["data"]] == ["test-model"]  # the other engine's
 
 
 def test_health_endpoints(cluster: Cluster) -> None:

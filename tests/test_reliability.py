@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 
 from tests.conftest import Cluster
+from tests.wait import wait_until
 
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -99,41 +100,37 @@ def test_stalled_stream_ends_with_one_error_event_at_the_idle_timeout(make_clust
         cluster.fast.stall_after = 2
         started = time.monotonic()
         response = _post(cluster, stream=True)
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 10  # at the idle timeout, not the read timeout
         events = _events(response)
         assert json.loads(events[-1])["error"]["code"] == "upstream_timeout"
         assert "[DONE]" not in events
-        assert cluster.fast.wait_idle(1.0)  # the stalled upstream request was closed
+        assert cluster.fast.wait_idle()  # the stalled upstream request was closed
 
 
 def test_failing_backend_is_ejected_for_growing_times_and_readmitted(make_cluster: Any) -> None:
-    health = {"interval": 0.05, "eject_after": 2, "ejection_seconds": 0.4, "healthy_after": 1}
+    # Ejection times long enough that a busy machine's pauses do not end one behind the test's back.
+    health = {"interval": 0.05, "eject_after": 2, "ejection_seconds": 1.0, "healthy_after": 1}
     with make_cluster(health=health, routing={"mode": "static"}) as cluster:
         backend = cluster.app.state.router.pools["fast"].backends[0]
         cluster.fast.fail_status = 503
         for _ in range(2):
             assert _post(cluster).headers["x-route-pool"] == "team"  # failed over each time
         assert backend.healthy is False and backend.ejections == 1
-        assert backend.ejected_for == 0.4
-        assert 0 < backend.ejected_until - time.monotonic() <= 0.4
+        assert backend.ejected_for == 1.0
+        assert 0 < backend.ejected_until - time.monotonic() <= 1.0
         # While ejected, nothing is sent there even though /health answers 200.
         seen = len(cluster.fast.requests)
         _post(cluster)
         assert len(cluster.fast.requests) == seen
         # After its time the health checker readmits it; it fails twice more: twice as long out.
-        deadline = time.monotonic() + 3
-        while not backend.healthy and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert backend.healthy
+        wait_until(lambda: backend.healthy, message="readmitted after its ejection")
         for _ in range(2):
             _post(cluster)
         assert backend.ejections == 2
-        assert backend.ejected_for == 0.8  # twice as long: it failed again before any success
+        assert backend.ejected_for == 2.0  # twice as long: it failed again before any success
         # Once it works again it comes back and stays.
         cluster.fast.fail_status = None
-        deadline = time.monotonic() + 3
-        while not backend.healthy and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: backend.healthy, message="readmitted once it works")
         assert _post(cluster).headers["x-route-pool"] == "fast"
         assert backend.ejections == 0
 
@@ -143,15 +140,10 @@ def test_active_checks_take_a_backend_out_and_back_by_thresholds(make_cluster: A
     with make_cluster(health=health) as cluster:
         backend = cluster.app.state.router.pools["team"].backends[0]
         cluster.team.healthy = False
-        deadline = time.monotonic() + 3
-        while backend.healthy and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not backend.healthy
+        wait_until(lambda: not backend.healthy, message="taken out by failed checks")
         assert httpx.get(cluster.router.url + "/readyz").json()["backends"]["team-1"] is False
         cluster.team.healthy = True
-        while not backend.healthy and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert backend.healthy
+        wait_until(lambda: backend.healthy, message="back after passed checks")
 
 
 def test_a_pool_with_no_healthy_backend_answers_503_within_100_ms(make_cluster: Any) -> None:

@@ -7,7 +7,7 @@ import json
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -18,14 +18,19 @@ from prometheus_client import CollectorRegistry
 from router.app import create_app
 from router.config import Settings
 from router.content import ContentKind
+from router.demo import cluster_settings
 from router.prompts import prompts
 from router.scrape import engine_load, parse
-from router.sim.cluster import cluster_settings
 from router.sim.profile import load_profile
 from router.sim.server import create_sim_app
 from tests.servers import ServerThread
+from tests.wait import until, wait_until
 
-SCALE = 20
+pytestmark = pytest.mark.e2e  # simulated engines and real routers at speed
+
+# Fast enough for a test, slow enough that a 512-token stream (about 9 s at real speed) is still
+# running while a busy machine starts the next users and takes the next scrapes.
+SCALE = 4
 
 
 @contextmanager
@@ -37,7 +42,7 @@ def engines(scale: float = SCALE) -> Iterator[tuple[str, str]]:
         yield fast.url, team.url
 
 
-def _router(fast: str, team: str, **routing: Any) -> ServerThread:
+def _router(fast: str, team: str, classify: dict[str, Any] | None = None, **routing: Any) -> ServerThread:
     data: dict[str, Any] = {
         "pools": {
             "fast": {"speculative": True, "backends": {"fast-1": {"url": fast, "max_concurrency": 256}}},
@@ -46,6 +51,7 @@ def _router(fast: str, team: str, **routing: Any) -> ServerThread:
         "routing": routing,
         "scrape": {"interval": 0.05, "stale_after": 2},
         "batch": {"store_dir": tempfile.mkdtemp(prefix="specroute-batches-")},
+        "classify": classify or {},
     }
     return ServerThread(create_app(Settings(**data), registry=CollectorRegistry()), fast=True)
 
@@ -61,32 +67,57 @@ def _body(kind: ContentKind, number: int) -> dict[str, Any]:
     }
 
 
-async def _start(router: str, users: range, kind: ContentKind) -> tuple[list[dict[str, str]], list[asyncio.Task[None]]]:
-    """Start one streaming request per user; return each response's headers once they arrive."""
-    client = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200))
-    seen: list[dict[str, str]] = []
-    arrived = asyncio.Event()
+def _client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200))
 
-    async def user(number: int) -> None:
+
+async def _start(
+    client: httpx.AsyncClient, router: str, users: range, kind: ContentKind
+) -> tuple[list[dict[str, str]], list[asyncio.Task[None]]]:
+    """Start one streaming request per user, each once the one before has its answer's headers
+    (people do not click at the same microsecond); return the headers and the running streams."""
+    seen: list[dict[str, str]] = []
+
+    async def user(number: int, answered: asyncio.Event) -> None:
         body = {**_body(kind, number), "user": f"user-{number}"}  # one key, told apart by `user`
         async with client.stream("POST", router + "/v1/chat/completions", json=body) as response:
             seen.append(dict(response.headers))
-            if len(seen) == len(users):
-                arrived.set()
+            answered.set()
             async for _ in response.aiter_bytes():
                 pass
 
     tasks = []
     for number in users:
-        tasks.append(asyncio.create_task(user(number)))
-        await asyncio.sleep(0.01)  # people do not click at the same microsecond
-    await asyncio.wait_for(arrived.wait(), 30)
+        answered = asyncio.Event()
+        tasks.append(asyncio.create_task(user(number, answered)))
+        await asyncio.wait_for(answered.wait(), 30)
     return seen, tasks
 
 
 def _engine(url: str) -> dict[str, float | None]:
     load = engine_load(parse(httpx.get(url + "/metrics").text), None, now=0)
     return {"running": load.running, "waiting": load.waiting}
+
+
+async def _engine_when(url: str, condition: Callable[[dict[str, float | None]], bool]) -> dict[str, float | None]:
+    """The engine's load if it meets `condition`, else an empty dict (to wait on)."""
+    state = await asyncio.to_thread(_engine, url)
+    return state if condition(state) else {}
+
+
+def _status_when(router: str, condition: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The router's /router/status if it meets `condition`, else an empty dict (to wait on)."""
+    status: dict[str, Any] = httpx.get(router + "/router/status").json()
+    return status if condition(status) else {}
+
+
+def _accepting(status: dict[str, Any]) -> bool:
+    return status["pools"]["fast"]["backends"]["fast-1"]["engine"]["acceptance"] is not None
+
+
+def _running_seen_by(router: str, running: int) -> bool:
+    status = _status_when(router, lambda s: s["pools"]["fast"]["backends"]["fast-1"]["engine"]["running"] == running)
+    return bool(status)
 
 
 def _stop(tasks: list[asyncio.Task[None]]) -> None:
@@ -99,17 +130,15 @@ def test_interactive_users_spill_before_the_speculative_engine_queues(mode: str)
     with engines() as (fast, team), _router(fast, team, mode=mode) as router:
 
         async def scenario() -> tuple[list[dict[str, str]], dict[str, float | None]]:
-            seen, tasks = await _start(router.url, range(30), "prose")
-            # A request sits in the engine's waiting list until its next step; on a busy machine
-            # that can take a moment. What must not happen is a queue that stays.
-            deadline = time.monotonic() + 3
-            polling = True  # another process's state: there is no event to wait on
-            while polling:
-                state = await asyncio.to_thread(_engine, fast)
-                polling = bool(state["waiting"]) and time.monotonic() < deadline
-                await asyncio.sleep(0.05)
-            _stop(tasks)
-            await asyncio.gather(*tasks, return_exceptions=True)
+            async with _client() as client:
+                seen, tasks = await _start(client, router.url, range(30), "prose")
+                # A request sits in the engine's waiting list until its next step; on a busy
+                # machine that can take a moment. What must not happen is a queue that stays.
+                state = await until(
+                    lambda: _engine_when(fast, lambda state: not state["waiting"]), message="nobody waits in fast"
+                )
+                _stop(tasks)
+                await asyncio.gather(*tasks, return_exceptions=True)
             return seen, state
 
         seen, fast_engine = asyncio.run(scenario())
@@ -132,9 +161,10 @@ def test_code_keeps_the_speculative_pool_longer_than_prose() -> None:
         with engines() as (fast, team), _router(fast, team, mode="crossover") as router:
 
             async def scenario(kind: ContentKind = kind) -> list[dict[str, str]]:
-                seen, tasks = await _start(router.url, range(12), kind)
-                _stop(tasks)
-                await asyncio.gather(*tasks, return_exceptions=True)
+                async with _client() as client:
+                    seen, tasks = await _start(client, router.url, range(12), kind)
+                    _stop(tasks)
+                    await asyncio.gather(*tasks, return_exceptions=True)
                 return seen
 
             counts[kind] = Counter(h["x-route-pool"] for h in asyncio.run(scenario()))["fast"]
@@ -148,13 +178,20 @@ def test_two_routers_together_keep_the_speculative_engine_at_its_crossover() -> 
         second = stack.enter_context(_router(fast, team, mode="crossover"))
 
         async def scenario() -> tuple[list[dict[str, str]], list[dict[str, str]], dict[str, float | None]]:
-            seen_first, tasks = await _start(first.url, range(3), "prose")
-            await asyncio.sleep(0.3)  # the second router's scrape now shows the first one's three
-            seen_second, more = await _start(second.url, range(100, 104), "prose")
-            await asyncio.sleep(0.2)
-            state = await asyncio.to_thread(_engine, fast)
-            _stop(tasks + more)
-            await asyncio.gather(*tasks, *more, return_exceptions=True)
+            async with _client() as client:
+                seen_first, tasks = await _start(client, first.url, range(3), "prose")
+                await until(
+                    lambda: asyncio.to_thread(_running_seen_by, second.url, 3),
+                    message="the second router's scrape shows the first one's three",
+                )
+                seen_second, more = await _start(client, second.url, range(100, 104), "prose")
+                # Four running, once the engine has stepped: what matters is that it is not five.
+                state = await until(
+                    lambda: _engine_when(fast, lambda state: (state["running"] or 0) >= 4),
+                    message="the engine runs the four routed to it",
+                )
+                _stop(tasks + more)
+                await asyncio.gather(*tasks, *more, return_exceptions=True)
             return seen_first, seen_second, state
 
         seen_first, seen_second, fast_engine = asyncio.run(scenario())
@@ -168,13 +205,16 @@ def test_status_and_metrics_explain_the_live_state() -> None:
     with engines() as (fast, team), _router(fast, team, mode="adaptive") as router:
 
         async def scenario() -> dict[str, Any]:
-            _, tasks = await _start(router.url, range(6), "code")
-            await asyncio.sleep(0.3)
-            # Read while the streams run: acceptance is over the last scrape interval, and an
-            # interval without drafts has none.
-            while_running: dict[str, Any] = (await asyncio.to_thread(httpx.get, router.url + "/router/status")).json()
-            _stop(tasks)
-            await asyncio.gather(*tasks, return_exceptions=True)
+            async with _client() as client:
+                _, tasks = await _start(client, router.url, range(6), "code")
+                # Read while the streams run: acceptance is over the last scrape interval, and an
+                # interval without drafts has none.
+                while_running: dict[str, Any] = await until(
+                    lambda: asyncio.to_thread(_status_when, router.url, _accepting),
+                    message="the status shows the engine's acceptance",
+                )
+                _stop(tasks)
+                await asyncio.gather(*tasks, return_exceptions=True)
             return while_running
 
         while_running = asyncio.run(scenario())
@@ -184,12 +224,10 @@ def test_status_and_metrics_explain_the_live_state() -> None:
             with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30) as response:
                 for _ in response.iter_bytes():
                     pass
-        deadline = time.monotonic() + 2
-        while time.monotonic() < deadline:
-            status = httpx.get(router.url + "/router/status").json()
-            if status["pools"]["fast"]["backends"]["fast-1"]["speed_curve"]:
-                break
-            time.sleep(0.05)
+        status = wait_until(
+            lambda: _status_when(router.url, lambda s: bool(s["pools"]["fast"]["backends"]["fast-1"]["speed_curve"])),
+            message="a speed learned",
+        )
         metrics = httpx.get(router.url + "/metrics").text
     assert status["routing"]["mode"] == "adaptive"
     backend = status["pools"]["fast"]["backends"]["fast-1"]
@@ -209,7 +247,10 @@ def test_status_and_metrics_explain_the_live_state() -> None:
 
 
 def test_a_new_batch_jobs_first_burst_never_lands_on_the_speculative_pool() -> None:
-    with engines() as (fast, team), _router(fast, team, mode="adaptive") as router:
+    # A hold long enough for all twenty to arrive on a busy machine (the default is 20 ms); the
+    # burst ends it as soon as it shows, well before.
+    classify = {"burst_hold_seconds": 2.0}
+    with engines() as (fast, team), _router(fast, team, classify, mode="adaptive") as router:
 
         async def scenario() -> list[dict[str, str]]:
             async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=40)) as client:

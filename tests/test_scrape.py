@@ -21,6 +21,7 @@ from router.sim.profile import load_profile
 from router.sim.server import create_sim_app
 from router.transport import AiohttpTransport, HeadLimits, Timeouts
 from tests.servers import ServerThread
+from tests.wait import until
 
 # As vLLM's V1 engine writes it (two data-parallel engines), trimmed to the families we read plus
 # neighbours that must be ignored.
@@ -126,9 +127,11 @@ def test_staleness() -> None:
     assert not load.fresh(now=106.0, stale_after=5)
 
 
+@pytest.mark.e2e
 def test_scraper_reads_a_simulated_engine_over_http() -> None:
     fast = load_profile("fast")
-    with ServerThread(create_sim_app(fast, time_scale=20)) as engine:
+    # Slow enough that none of the 30 ends before the last has arrived, on a busy machine too.
+    with ServerThread(create_sim_app(fast, time_scale=2)) as engine:
         settings = Settings(
             pools={"fast": {"speculative": True, "backends": {"f1": {"url": engine.url}}}}  # type: ignore[dict-item]
         )
@@ -158,11 +161,20 @@ def test_scraper_reads_a_simulated_engine_over_http() -> None:
                     )
                     for _ in range(30)
                 ]
-                await asyncio.sleep(0.3)
-                await scraper.scrape_all()
-                await asyncio.sleep(0.1)  # some steps between the two: acceptance over that interval
-                await scraper.scrape_all()
-                load = pools["fast"].backends[0].engine
+                backend = pools["fast"].backends[0]
+                showing_all = 0
+
+                async def all_there_on_two_scrapes() -> bool:
+                    # Queued is waiting on two scrapes running, and acceptance is over the interval
+                    # between two: both need two readings taken after all 30 arrived.
+                    nonlocal showing_all
+                    await scraper.scrape_all()
+                    load = backend.engine  # each scrape makes a new reading
+                    showing_all = showing_all + 1 if (load.running or 0) + (load.waiting or 0) == 30 else 0
+                    return showing_all >= 2 and load.acceptance is not None
+
+                await until(all_there_on_two_scrapes, interval=0.05, message="two readings of all 30")
+                load = backend.engine
                 assert load.queued == 7
                 assert load.running == 23 and load.waiting == 7  # the fast profile's KV limit
                 assert load.kv_usage is not None and load.kv_usage > 0.9

@@ -27,8 +27,11 @@ import yaml
 from tests.conftest import settings_data
 from tests.fake_engine import FakeEngine
 from tests.servers import ServerThread
+from tests.wait import until, wait_until
 
-GRACE = 1.5
+pytestmark = pytest.mark.e2e  # `specroute serve` in its own process
+
+GRACE = 3.0  # the short stream (about 0.5 s) ends well inside it even on a busy machine
 
 
 def _free_port() -> int:
@@ -52,16 +55,16 @@ def serve(config: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
         env=env,
     )
     url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert process.poll() is None, (config.parent / "router.log").read_text()
+        try:
+            return httpx.get(url + "/healthz", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, (config.parent / "router.log").read_text()
-            time.sleep(0.05)
+        wait_until(up, timeout=60, interval=0.05, message="the router answers /healthz")
         yield process, url
     finally:
         if process.poll() is None:
@@ -103,7 +106,7 @@ def test_sigterm_refuses_new_connections_lets_streams_finish_within_grace_then_e
     config = _config(tmp_path / "router.yaml", engine_url, shutdown={"grace_seconds": GRACE})
     with serve(config) as (process, url):
 
-        async def scenario() -> tuple[list[str], list[str], float, bool]:
+        async def scenario() -> tuple[list[str], list[str], float]:
             short: list[str] = []  # 10 tokens: about 0.5 s, inside the grace period
             long: list[str] = []  # 200 tokens: about 10 s, past it
             started = [asyncio.Event(), asyncio.Event()]
@@ -114,29 +117,28 @@ def test_sigterm_refuses_new_connections_lets_streams_finish_within_grace_then_e
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 10)
             process.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
-            refused = False
-            for _ in range(20):  # the listener closes within uvicorn's 0.1 s tick
-                await asyncio.sleep(0.05)
+
+            def refused() -> bool:  # the listener closes within uvicorn's 0.1 s tick
                 try:
                     with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=1):
-                        pass
+                        return False
                 except ConnectionRefusedError:
-                    refused = True
-                    break
+                    return True
+
+            await until(lambda: asyncio.to_thread(refused), message="new connections refused")
             await asyncio.wait_for(tasks[0], 5)
             await asyncio.wait_for(tasks[1], GRACE + 5)
-            return short, long, time.monotonic() - signalled, refused
+            return short, long, time.monotonic() - signalled
 
-        short, long, ended_after, refused = asyncio.run(scenario())
+        short, long, ended_after = asyncio.run(scenario())
         assert process.wait(timeout=10) == 0
-    assert refused  # no new connections once SIGTERM arrived
     assert short[-1] == "[DONE]" and sum('"content"' in e for e in short) == 10  # finished in the grace period
     assert GRACE * 0.9 <= ended_after < GRACE + 3  # ...the long one was ended at its end
     assert "[DONE]" not in long
     error = json.loads(long[-1])["error"]
     assert error["code"] == "shutting_down" and error["type"] == "service_unavailable"
     assert all("error" not in json.loads(e) for e in long[:-1])  # one error event, after what had come
-    assert fake.wait_idle(2.0) and fake.aborted == 1  # and its upstream request was closed
+    assert fake.wait_idle() and fake.aborted == 1  # and its upstream request was closed
 
 
 def test_a_whole_answer_still_awaited_when_the_grace_period_ends_gets_503_shutting_down(
@@ -150,10 +152,7 @@ def test_a_whole_answer_still_awaited_when_the_grace_period_ends_gets_503_shutti
             body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
             async with httpx.AsyncClient(timeout=30) as client:
                 waiting = asyncio.create_task(client.post(url + "/v1/chat/completions", json=body))
-                polling = True  # until the engine has it (about 10 s of work): another thread's state
-                while polling:
-                    await asyncio.sleep(0.01)
-                    polling = not fake.open
+                await until(lambda: fake.open, message="the engine has the request")  # about 10 s of work
                 process.send_signal(signal.SIGTERM)
                 return await waiting
 
@@ -166,7 +165,7 @@ def test_a_whole_answer_still_awaited_when_the_grace_period_ends_gets_503_shutti
         "param": None,
         "code": "shutting_down",
     }
-    assert fake.wait_idle(2.0) and fake.aborted == 1  # the engine was told: its request closed
+    assert fake.wait_idle() and fake.aborted == 1  # the engine was told: its request closed
 
 
 def test_the_openai_client_sees_the_shutdown_as_an_api_error_after_the_chunks_so_far(
@@ -211,12 +210,6 @@ def test_sighup_applies_a_valid_file_keeps_the_old_on_an_invalid_one_and_streams
                     return float(line.split()[-1])
             return 0.0
 
-        def wait_for(check: Any) -> bool:
-            deadline = time.monotonic() + 5
-            while not check() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            return bool(check())
-
         async def scenario() -> list[str]:
             read: list[str] = []
             started = asyncio.Event()
@@ -224,10 +217,10 @@ def test_sighup_applies_a_valid_file_keeps_the_old_on_an_invalid_one_and_streams
             await asyncio.wait_for(started.wait(), 10)
             _config(config, engine_url, routing={"mode": "static"})
             process.send_signal(signal.SIGHUP)
-            assert await asyncio.to_thread(wait_for, lambda: mode() == "static")
+            await asyncio.to_thread(wait_until, lambda: mode() == "static", message="the new file applied")
             config.write_text("pools: [unclosed\n")
             process.send_signal(signal.SIGHUP)
-            assert await asyncio.to_thread(wait_for, lambda: reloads("invalid") == 1)
+            await asyncio.to_thread(wait_until, lambda: reloads("invalid") == 1, message="the invalid file refused")
             await asyncio.wait_for(task, 10)
             return read
 

@@ -17,6 +17,7 @@ import pytest
 from router.sim.profile import load_profile
 from router.sim.server import create_sim_app
 from tests.servers import ServerThread
+from tests.wait import until, wait_until
 
 MODEL = "glm-5.3-flash"
 PROSE = "Describe a walk through an old harbour town on a foggy morning."
@@ -148,6 +149,7 @@ def test_metrics_have_vllm_names_and_pass_promtool(engine: ServerThread) -> None
         assert re.fullmatch(r"vllm:\w+ metric names should not contain ':'", finding), finding
 
 
+@pytest.mark.e2e
 def test_burst_of_40_queues_on_the_fast_engine_and_disconnects_free_it() -> None:
     with ServerThread(create_sim_app(load_profile("fast"), time_scale=20)) as server:
         runner = server.app.state.runner
@@ -156,9 +158,7 @@ def test_burst_of_40_queues_on_the_fast_engine_and_disconnects_free_it() -> None
             async with httpx.AsyncClient(timeout=60) as client:
                 body = {"model": MODEL, "prompt": PROSE, "max_tokens": 512, "ignore_eos": True}
                 tasks = [asyncio.create_task(client.post(server.url + "/v1/completions", json=body)) for _ in range(40)]
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline and len(runner.engine.waiting) < 17:  # noqa: ASYNC110
-                    await asyncio.sleep(0.01)
+                await until(lambda: len(runner.engine.waiting) >= 17, message="17 waiting")
                 seen = await asyncio.to_thread(_metrics, server)
                 for task in tasks:
                     task.cancel()
@@ -170,10 +170,8 @@ def test_burst_of_40_queues_on_the_fast_engine_and_disconnects_free_it() -> None
         assert seen["vllm:num_requests_running" + label] == 23
         assert seen["vllm:num_requests_waiting" + label] == 17
         assert seen["vllm:kv_cache_usage_perc" + label] > 0.9
-        deadline = time.monotonic() + 2
-        while runner.engine.busy and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not runner.engine.busy and runner.engine.reserved == 0
+        wait_until(lambda: not runner.engine.busy, message="the engine idle")
+        assert runner.engine.reserved == 0
         assert runner.engine.counters.aborted == 40
 
 
@@ -185,12 +183,11 @@ def test_stream_disconnect_aborts_the_request() -> None:
             lines = response.iter_lines()  # kept: a dropped iterator closes the connection
             assert next(lines).startswith("data:")
             assert runner.engine.running
-        deadline = time.monotonic() + 1
-        while runner.engine.busy and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not runner.engine.busy and runner.engine.counters.aborted == 1
+        wait_until(lambda: not runner.engine.busy, message="the engine idle")
+        assert runner.engine.counters.aborted == 1
 
 
+@pytest.mark.e2e
 def test_time_scale_reports_real_time_speed() -> None:
     scale = 20
     profile = load_profile("team")

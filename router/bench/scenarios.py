@@ -14,15 +14,9 @@ from typing import Any
 
 from router.bench.load import Job, Load, Record, Target
 from router.content import ContentKind
+from router.quantiles import percentile
 
 Progress = Callable[[float], None]  # called with the share of the run done, 0..1
-
-
-def _percentile(values: Sequence[float], share: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(share * (len(ordered) - 1))))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +48,8 @@ class Summary:
             tokens=tokens,
             total_tps=tokens / span if span > 0 else 0.0,
             per_user_tps=statistics.median(speeds) if speeds else None,
-            ttft_p50=_percentile(ttfts, 0.5),
-            ttft_p99=_percentile(ttfts, 0.99),
+            ttft_p50=percentile(ttfts, 0.5),
+            ttft_p99=percentile(ttfts, 0.99),
             ttft_worst=max(ttfts) if ttfts else None,
             prompt_tokens=statistics.median(prompts) if prompts else None,
         )
