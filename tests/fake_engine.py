@@ -146,9 +146,10 @@ class FakeEngine:
     async def _generate(self, request: Request) -> Response:
         body = await self._record(request)
         fault = self._draw()
-        if fault == "503" or (self.fail_status is not None and self.fail_count != 0):
-            if fault is None:
-                self.fail_count -= 1
+        failing = self.fail_status is not None and self.fail_count != 0
+        if failing:
+            self.fail_count -= 1
+        if failing or fault == "503":
             error = {"message": "overloaded", "type": "ServiceUnavailableError", "param": None, "code": 503}
             return JSONResponse({"error": error}, status_code=self.fail_status or 503)
         if body.get("model") != self.model:
