@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from router.sim.profile import load_profile
 from router.sim.replay import replay_round
 from router.sim.server import create_sim_app
 from tests.servers import ServerThread
+from tests.timing import too_busy_to_time
 
 SCALE = 10
 
@@ -87,9 +87,8 @@ def test_compare_mixed_routed_beats_both_single_layouts(tmp_path: Path) -> None:
          "--think", "2", "--max-tokens", "64", "--time-scale", str(SCALE / 2), "--out", str(tmp_path),
          "--layouts", "routed,all-speculative,all-standard"]
     )  # fmt: skip
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1  # the last minute's, about this run's
-    if load > 1.5 * cores:
-        pytest.skip(f"too busy to measure a timed benchmark: load {load:.1f} on {cores} cores")
+    if busy := too_busy_to_time():  # the last minute's load: about this run's
+        pytest.skip(busy)
     assert code == 0
     for name in ("report.md", "mixed.json", "mixed.csv", "mixed.png"):
         assert (tmp_path / name).stat().st_size > 0

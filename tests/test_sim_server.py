@@ -17,6 +17,7 @@ import pytest
 from router.sim.profile import load_profile
 from router.sim.server import create_sim_app
 from tests.servers import ServerThread
+from tests.timing import too_busy_to_time
 from tests.wait import until, wait_until
 
 MODEL = "glm-5.3-flash"
@@ -207,4 +208,6 @@ def test_time_scale_reports_real_time_speed() -> None:
     expected = replay_round(profile, 1, "prose", answer_tokens=200).per_user_tps
     measured = (tokens - 1) / elapsed
     # Direction and order of magnitude only: this machine is shared and the check is timed.
+    if busy := too_busy_to_time():
+        pytest.skip(busy)
     assert 0.5 * expected < measured < 1.5 * expected
