@@ -7,6 +7,7 @@ import json
 import ssl
 import threading
 import time
+from typing import Any
 
 import pytest
 from starlette.applications import Starlette
@@ -139,8 +140,9 @@ def test_scraper_reads_a_simulated_engine_over_http() -> None:
 
         async def scenario() -> None:
             upstream = AiohttpTransport(connections_per_origin=64, tls=ssl.create_default_context())
+            scraper = EngineScraper(pools, upstream, interval=0.05, timeout=1, stale_after=5)
+            requests: list[asyncio.Task[Any]] = []
             try:
-                scraper = EngineScraper(pools, upstream, interval=0.05, timeout=1, stale_after=5)
                 await scraper.scrape_all()
                 # The engine states its capacity before any load: 2,097,152 tokens of KV cache, each
                 # request reserving its default answer (2,048) and the profile's overhead (86,933).
@@ -166,23 +168,24 @@ def test_scraper_reads_a_simulated_engine_over_http() -> None:
 
                 async def all_there_on_two_scrapes() -> bool:
                     # Queued is waiting on two scrapes running, and acceptance is over the interval
-                    # between two: both need two readings taken after all 30 arrived.
+                    # between two: both need two readings taken after all 30 arrived, half a second
+                    # (a simulated second, dozens of steps) apart.
                     nonlocal showing_all
                     await scraper.scrape_all()
                     load = backend.engine  # each scrape makes a new reading
                     showing_all = showing_all + 1 if (load.running or 0) + (load.waiting or 0) == 30 else 0
                     return showing_all >= 2 and load.acceptance is not None
 
-                await until(all_there_on_two_scrapes, interval=0.05, message="two readings of all 30")
+                await until(all_there_on_two_scrapes, interval=0.5, timeout=30, message="two readings of all 30")
                 load = backend.engine
                 assert load.queued == 7
                 assert load.running == 23 and load.waiting == 7  # the fast profile's KV limit
                 assert load.kv_usage is not None and load.kv_usage > 0.9
                 assert load.acceptance is not None and 0.5 < load.acceptance <= 1  # code is guessed well
+            finally:
                 for task in requests:
                     task.cancel()
                 await asyncio.gather(*requests, return_exceptions=True)
-            finally:
                 await upstream.aclose()
 
         asyncio.run(scenario())
