@@ -18,9 +18,10 @@ from typing import Any
 import httpx
 
 from router.bench.load import Job, Load, Record, Target
-from router.bench.scenarios import Progress, Summary, _percentile
+from router.bench.scenarios import Progress, Summary
 from router.content import ContentKind
 from router.prompts import prompts
+from router.quantiles import percentile
 
 _ENDED = ("completed", "failed", "expired", "cancelled")
 
@@ -167,7 +168,7 @@ async def batch_job(
 
 
 def _p95(records: list[Record]) -> float | None:
-    return _percentile([r.ttft for r in records if r.ok and r.ttft is not None], 0.95)
+    return percentile([r.ttft for r in records if r.ok and r.ttft is not None], 0.95)
 
 
 async def _pool_tokens(api: httpx.AsyncClient, root: str) -> float:

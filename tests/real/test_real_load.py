@@ -99,8 +99,10 @@ def test_a_client_that_disconnects_is_aborted_in_the_engine(cluster: RealCluster
     wait_for(
         lambda: cluster.team.metric("vllm:num_requests_running") == 1,
         timeout=10,
-        what=lambda: "team engine running it; running on team, fast: "
-        f"{cluster.team.metric('vllm:num_requests_running')}, {cluster.fast.metric('vllm:num_requests_running')}",
+        what=lambda: (
+            "team engine running it; running on team, fast: "
+            f"{cluster.team.metric('vllm:num_requests_running')}, {cluster.fast.metric('vllm:num_requests_running')}"
+        ),
     )
     stream.close()  # the client goes away mid-stream
 
