@@ -7,7 +7,6 @@ environment variable can reach any of them, e.g. `SPECROUTE_POOLS__FAST__SPECULA
 from __future__ import annotations
 
 import os
-import ssl
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -201,25 +200,22 @@ class Tls(_Model):
     verify: bool = True
 
     @model_validator(mode="after")
-    def _files_load(self) -> Tls:
+    def _files_readable(self) -> Tls:
+        # Found at load rather than at the first https request. The certificates themselves are
+        # parsed when the router makes its TLS context (router.transport.tls_context): the
+        # settings stay free of network modules, as the pure decision modules read them.
         if self.client_key is not None and self.client_cert is None:
             raise ValueError("client_key needs client_cert")
-        if self.ca_bundle is not None or self.client_cert is not None:
+        for path in (self.ca_bundle, self.client_cert, self.client_key):
+            if path is None:
+                continue
             try:
-                self.context()  # a file that is missing or not PEM is found now, not at the first request
-            except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"cannot load the CA bundle or client certificate: {exc}") from exc
+                pem = Path(path).read_bytes()
+            except OSError as exc:
+                raise ValueError(f"cannot load the CA bundle or client certificate: {path}: {exc.strerror}") from exc
+            if b"-----BEGIN " not in pem:
+                raise ValueError(f"cannot load the CA bundle or client certificate: {path} is not PEM")
         return self
-
-    def context(self) -> ssl.SSLContext:
-        """How engines served over https are checked."""
-        context = ssl.create_default_context(cafile=self.ca_bundle)
-        if not self.verify:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        if self.client_cert is not None:
-            context.load_cert_chain(self.client_cert, self.client_key)
-        return context
 
 
 class Health(_Model):

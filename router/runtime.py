@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ from router.models import ModelCatalog
 from router.pools import Backend, Clients, Pools
 from router.proxy import Proxy
 from router.scrape import EngineScraper
-from router.transport import AiohttpTransport
+from router.transport import AiohttpTransport, tls_context
 from router.version import BuildInfo, build_info
 
 logger = logging.getLogger("specroute")
@@ -73,7 +74,7 @@ class Router:
         )
         # One client for everything sent to the engines: requests, scrapes, probes, model lists.
         self.transport = AiohttpTransport(
-            connections_per_origin=_connections_per_origin(self.pools), tls=settings.tls.context()
+            connections_per_origin=_connections_per_origin(self.pools), tls=tls_context(settings.tls)
         )
         self.clients = Clients(
             memory=settings.classify.client_memory_seconds,
@@ -113,12 +114,12 @@ class Router:
             raise Conflict("this router was not started from a configuration file", code="nothing_to_reload")
         try:
             settings = self._load()
-        except ConfigError as exc:
+            changed = self.apply(settings)
+        except (ConfigError, ssl.SSLError) as exc:
             self.metrics.reloads.labels("invalid").inc()
             raise BadRequest(
                 f"configuration not reloaded, the running one is kept: {exc}", code="invalid_config"
             ) from exc
-        changed = self.apply(settings)
         self.metrics.reloads.labels("applied").inc()
         return changed
 
@@ -136,6 +137,9 @@ class Router:
     def apply(self, settings: Settings) -> dict[str, list[str]]:
         """Take new settings in place; returns the settings that changed, and those of them that
         only a restart can apply."""
+        # First, what can fail (a certificate file that is PEM in name only): then nothing has changed.
+        # A new TLS context starts new connections (pooled apart), so it is made only when `tls` changed.
+        tls = tls_context(settings.tls) if settings.tls != self.settings.tls else self.transport.tls
         changed = _differences(masked(self.settings), masked(settings))
         for name in self.pools.reconcile(settings):
             self.speeds.forget(name)
@@ -146,9 +150,7 @@ class Router:
             burst_hold=settings.classify.burst_hold_seconds,
             threshold=settings.classify.batch_inflight_threshold,
         )
-        # Timeouts and limits go with each request, so they reach pooled connections too. A new TLS
-        # context starts new connections (pooled apart), so it is made only when `tls` changed.
-        tls = settings.tls.context() if settings.tls != self.settings.tls else self.transport.tls
+        # Timeouts and limits go with each request, so they reach pooled connections too.
         self.transport.configure(connections_per_origin=_connections_per_origin(self.pools), tls=tls)
         self.metrics.configure(
             stale_after=settings.scrape.stale_after, acceptance_max_age=settings.scrape.acceptance_max_age

@@ -35,6 +35,8 @@ from aiohttp.connector import Connection
 from aiohttp.tracing import Trace
 from yarl import URL
 
+from router.config import Tls
+
 # Uvicorn (under vLLM and SGLang) closes a connection idle for 5 s. A pooled connection is
 # dropped sooner, so the router does not send a request on one the engine is just closing.
 KEEP_ALIVE_SECONDS = 4.0
@@ -42,6 +44,18 @@ KEEP_ALIVE_SECONDS = 4.0
 # /v1/models each hold one at most.
 _PROBE_CONNECTIONS = 3
 _ONE_WRITE = 1 << 20
+
+
+def tls_context(config: Tls) -> ssl.SSLContext:
+    """How engines served over https are checked (`tls` settings; ssl.SSLError if a file is not a
+    certificate or key)."""
+    context = ssl.create_default_context(cafile=config.ca_bundle)
+    if not config.verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if config.client_cert is not None:
+        context.load_cert_chain(config.client_cert, config.client_key)
+    return context
 
 
 class TransportError(Exception):
