@@ -73,6 +73,7 @@ def create_app(
             await batches.stop()
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # ended before their client closes
             await router.transport.aclose()
 
     async def http_error(request: Request, exc: Exception) -> Response:

@@ -422,7 +422,7 @@ class Proxy:
         if response.status < 400 and content_type.startswith(b"application/json"):
             try:
                 usage = json.loads(content).get("usage")
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 usage = None
             call.tokens = sse.completion_tokens(usage)
             call.prompt_tokens = sse.prompt_tokens(usage)

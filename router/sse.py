@@ -124,7 +124,7 @@ def _json_payload(event: bytes) -> dict[str, Any] | None:
         return None
     try:
         payload = json.loads(b"\n".join(lines))
-    except ValueError:
+    except (ValueError, RecursionError):  # an engine's event nested past the parser's depth too
         return None
     return payload if isinstance(payload, dict) else None
 

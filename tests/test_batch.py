@@ -157,6 +157,7 @@ def test_a_line_the_engine_rejects_goes_to_the_error_file_async(keyed: Cluster) 
         (b'\n{"method": "POST", "url": "/v1/embeddings", "body": {}}\n', 2, "custom_id must be"),
         (_lines(1, stream=True), 1, "streamed"),
         (b"[1]\n", 1, "must be a JSON object"),
+        (_lines(1) + b"[" * 100_000 + b"]" * 100_000 + b"\n", 2, "nested more than"),  # never a 500
     ],
 )
 def test_a_malformed_file_is_400_naming_the_line(keyed: Cluster, content: bytes, line: int, why: str) -> None:

@@ -407,3 +407,26 @@ def test_an_unterminated_huge_event_ends_the_stream_with_one_error_event() -> No
         assert engine.wait_for(lambda: engine.requests[0].connection in engine.closed)
         assert engine.written < 64 * MiB, engine.written
         assert_recovered(router)
+
+
+def test_engine_json_nested_past_the_parsers_depth_is_relayed_not_a_500() -> None:
+    # The router reads `usage` from a whole answer and from each streamed event; JSON too deep for
+    # Python's parser must leave it without usage, not fail the request.
+    deep = b"[" * 100_000 + b"]" * 100_000
+
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if b'"stream":true' in exchange.body.replace(b" ", b""):
+            body = b"data: " + deep + b"\n\ndata: [DONE]\n\n"
+            content_type = b"text/event-stream"
+        else:
+            body, content_type = deep, b"application/json"
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (content_type, len(body)))
+        writer.write(body)
+        await writer.drain()
+        return True
+
+    with RawEngine(answer) as engine, routed(engine.url) as router:
+        whole = router.client.post("/chat/completions", json={"model": "m", "messages": []})
+        assert whole.status_code == 200 and whole.content == deep
+        streamed = router.client.post("/chat/completions", json={"model": "m", "messages": [], "stream": True})
+        assert streamed.status_code == 200 and events(streamed) == [deep.decode(), "[DONE]"]

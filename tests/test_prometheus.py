@@ -204,8 +204,8 @@ def _check_prometheus(api: str, server: subprocess.Popen[bytes], log: Path) -> N
             for name, expr in list(waiting.items()):
                 try:
                     answer = client.get(f"{api}/query", params={"query": expr}).json()
-                except httpx.TransportError:
-                    break  # not up yet
+                except (httpx.TransportError, ValueError):
+                    break  # not up yet (refused, or an empty answer while it starts)
                 assert answer["status"] == "success", (name, answer)
                 if answer["data"]["result"]:
                     del waiting[name]

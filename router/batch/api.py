@@ -9,7 +9,6 @@ is `anonymous`. Another client asking for it gets 404, as if it did not exist.
 from __future__ import annotations
 
 import hashlib
-import json
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ from router.batch import files
 from router.batch.store import BatchRecord, FileRecord, StorageFull
 from router.errors import BadRequest, Conflict, NotFound, PayloadTooLarge
 from router.headers import bearer
+from router.payload import parse_json
 
 if TYPE_CHECKING:
     from router.batch.service import BatchService
@@ -89,7 +89,11 @@ class _Api:
             raise BadRequest("purpose must be 'batch': this router keeps batch files only", param="purpose")
         if len(content) > limit:
             raise PayloadTooLarge(f"the file is over the {limit} byte limit", param="file", code="file_too_large")
-        await anyio.to_thread.run_sync(lambda: files.parse(content, max_lines=config.max_lines))
+        await anyio.to_thread.run_sync(
+            lambda: files.parse(
+                content, max_lines=config.max_lines, max_depth=self._service.router.settings.limits.json_depth
+            )
+        )
         record = FileRecord(_new_id("file-"), owner, filename[:255], "batch", len(content), self._service.now())
         try:
             await anyio.to_thread.run_sync(
@@ -137,15 +141,16 @@ class _Api:
         deleted = await anyio.to_thread.run_sync(self._service.store.delete_file, owner, record.id)
         return JSONResponse({"id": record.id, "object": "file", "deleted": deleted})
 
+    def _parse(self, content: bytes) -> list[files.Request]:
+        max_depth = self._service.router.settings.limits.json_depth
+        return files.parse(content, max_lines=self._service.config.max_lines, max_depth=max_depth)
+
     # Batches.
 
     async def create(self, request: Request) -> Response:
         owner = self._owner(request)
         raw = b"".join([chunk async for chunk in Request(request.scope, _limited(request, _JSON_LIMIT)).stream()])
-        try:
-            params = json.loads(raw)
-        except ValueError as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+        params = parse_json(raw, max_depth=self._service.router.settings.limits.json_depth)
         if not isinstance(params, dict):
             raise BadRequest("request body must be a JSON object", code="invalid_json")
         endpoint, window, file_id = params.get("endpoint"), params.get("completion_window"), params.get("input_file_id")
@@ -169,7 +174,11 @@ class _Api:
         content = await anyio.to_thread.run_sync(store.file_content, owner, file_id)
         if content is None:
             raise NotFound(f"No such File object: {file_id}", param="input_file_id", code="file_not_found")
-        requests = await anyio.to_thread.run_sync(lambda: files.parse(content, max_lines=config.max_lines))
+        requests = await anyio.to_thread.run_sync(
+            lambda: files.parse(
+                content, max_lines=config.max_lines, max_depth=self._service.router.settings.limits.json_depth
+            )
+        )
         now = self._service.now()
         errors = [
             {

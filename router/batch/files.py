@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 
 from router.errors import BadRequest
+from router.payload import parse_json
 
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 
@@ -23,7 +24,7 @@ class Request:
     model: str | None
 
 
-def parse(content: bytes, *, max_lines: int) -> list[Request]:
+def parse(content: bytes, *, max_lines: int, max_depth: int) -> list[Request]:
     """The file's requests; BadRequest (`invalid_file`, naming the line) at the first bad one."""
     try:
         text = content.decode("utf-8")
@@ -36,7 +37,7 @@ def parse(content: bytes, *, max_lines: int) -> list[Request]:
             continue  # a trailing newline, or blank lines between requests
         if len(requests) == max_lines:
             raise _bad(number, f"the file has more than {max_lines} requests")
-        request = _request(number, raw)
+        request = _request(number, raw, max_depth)
         if request.custom_id in seen:
             raise _bad(number, f"custom_id {request.custom_id!r} is used more than once")
         seen.add(request.custom_id)
@@ -46,11 +47,11 @@ def parse(content: bytes, *, max_lines: int) -> list[Request]:
     return requests
 
 
-def _request(number: int, raw: str) -> Request:
+def _request(number: int, raw: str, max_depth: int) -> Request:
     try:
-        line = json.loads(raw)
-    except ValueError as exc:
-        raise _bad(number, f"not valid JSON: {exc}") from exc
+        line = parse_json(raw.encode(), max_depth=max_depth)
+    except BadRequest as exc:
+        raise _bad(number, exc.message) from exc
     if not isinstance(line, dict):
         raise _bad(number, "must be a JSON object")
     custom_id, method, url, body = (line.get(key) for key in ("custom_id", "method", "url", "body"))

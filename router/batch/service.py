@@ -98,9 +98,9 @@ class BatchService:
             "by_status": self.metrics.by_status,
             "concurrency_limit": runner.limit if runner else 0,
             "in_flight": runner.in_flight if runner else 0,
+            # No ids: /router/status needs no key, and a batch is its owner's to name.
             "active": [
                 {
-                    "id": batch.id,
                     "status": batch.status,
                     "total": batch.total,
                     "completed": batch.completed,
