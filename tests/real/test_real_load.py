@@ -22,7 +22,8 @@ from openai.types.chat import ChatCompletion
 from tests.real.conftest import RealCluster
 from tests.real.engines import wait_for
 
-pytestmark = pytest.mark.real
+# Engines restart and queues drain at the speed of two CPU cores: far past the suite's default timeout.
+pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 
 LONG = 1500  # tokens per long request: with its prompt, 12 of the KV cache's 32 blocks of 128
 
