@@ -55,6 +55,7 @@ from router.transport import (
     TooLarge,
     Transport,
     TransportError,
+    WrongAnswer,
 )
 
 logger = logging.getLogger("specroute")
@@ -479,6 +480,10 @@ class Proxy:
         elif isinstance(exc, ReadTimeout):
             kind = "timeout"
             error = UpstreamTimeout(f"backend {backend.name!r} timed out", code="upstream_timeout")
+        elif isinstance(exc, WrongAnswer):
+            kind = "wrong_answer"
+            error = UpstreamError(f"backend {backend.name!r} answered another request", code="upstream_failed")
+            logger.warning("backend %r: %s; the connection is closed", backend.name, exc)
         else:
             kind = "protocol"
             # The limit broken is ours to name; aiohttp's own messages may quote the engine's bytes.

@@ -10,13 +10,21 @@ the router's in exactly one place, `_translate`:
     │   └── TlsError         the TLS handshake failed (an untrusted certificate, a wrong name...)
     ├── ReadTimeout          no response within the read timeout, or a body silent for the idle timeout
     └── RemoteProtocolError  the connection broke, the response was not HTTP, or was a 101
-        └── TooLarge         a response head or body over its limit (`limits.*`)
+        ├── TooLarge         a response head or body over its limit (`limits.*`)
+        └── WrongAnswer      the response names another request in its `X-Request-Id`
 
 Interim answers never reach the router: aiohttp reads past any 100–199 but 101
 (`ClientResponse.start`), and a 101 is refused here. The transport never sends a request
 twice: aiohttp re-sends only idempotent methods (RFC 9112 §9.3.1: the GETs of the health checks,
 the scraper and `/v1/models`), never a POST. A retry is the router's decision, counted in
 `specroute_retries_total`.
+
+HTTP/1.1 has no other way to tell whose answer a response is than its order on the connection.
+Bytes that reach an idle pooled connection make it unusable (`_Connector`), but an answer an
+engine sends unasked can also land just after the next request went out on that connection, and
+then it reads as that request's answer. An engine that echoes `X-Request-Id` (vLLM with
+`--enable-request-id-headers`, the simulator) lets the router see it: a response whose
+`X-Request-Id` is not the one sent is `WrongAnswer`, and its connection is closed.
 """
 
 from __future__ import annotations
@@ -82,6 +90,10 @@ class TooLarge(RemoteProtocolError):
     pass
 
 
+class WrongAnswer(RemoteProtocolError):
+    pass
+
+
 @dataclass(frozen=True, slots=True)
 class Timeouts:
     connect: float | None  # to have a connection, from the pool or new
@@ -132,7 +144,8 @@ class Transport(Protocol):
     ) -> Response:
         """Send a request to `base` (an engine's root URL); return once the response's head has
         arrived. `target` (path and query) goes on the request line byte for byte: nothing
-        re-encodes or normalises it."""
+        re-encodes or normalises it. An `x-request-id` among `headers` (lower-case) is the one
+        the answer must echo, if it echoes one."""
         ...
 
     async def get(self, url: str, *, headers: Sequence[tuple[str, str]] = ()) -> tuple[int, bytes]:
@@ -301,6 +314,9 @@ class AiohttpTransport:
         if response.status == 101:
             response.close()
             raise RemoteProtocolError("the engine switched protocols (101) on a request that asked for none")
+        if _names_another_request(headers, response.raw_headers):
+            response.close()
+            raise WrongAnswer("the engine's answer names another request in its X-Request-Id")
         head = len(response.reason or "") + sum(len(name) + len(value) + 4 for name, value in response.raw_headers)
         if head > limits.head_bytes:
             response.close()
@@ -327,6 +343,13 @@ class AiohttpTransport:
         self._retired, self._session = [], None
         for session in sessions:
             await session.close()
+
+
+def _names_another_request(sent: Sequence[tuple[str, str]], received: Sequence[tuple[bytes, bytes]]) -> bool:
+    request_id = next((value.encode() for name, value in sent if name == "x-request-id"), None)  # as aiohttp wrote it
+    if request_id is None:
+        return False
+    return any(value != request_id for name, value in received if name.lower() == b"x-request-id")
 
 
 def _payload(body: bytes) -> bytes | io.BytesIO:

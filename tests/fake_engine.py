@@ -3,9 +3,11 @@
 It records every request it receives and counts the requests it is still serving, so a test
 can see what was forwarded and whether a cancelled request was closed upstream. Every answer
 carries the request's own `X-Request-Id` in its `id` (`cmpl-<id>`), so a client can tell its
-answer from another request's. Faults are set by a test (`fail_status`, `die_after`, ...) or
-drawn per request (`chaos`, for the soak); faults on the wire itself (interim 1xx answers,
-answers nobody asked for) need the engine served by tests/wire.py instead of uvicorn.
+answer from another request's, and echoes it in its `X-Request-Id` header, as vLLM does with
+`--enable-request-id-headers` (`echo_request_id=False`: as vLLM does without). Faults are set by
+a test (`fail_status`, `die_after`, ...) or drawn per request (`chaos`, for the soak); faults on
+the wire itself (interim 1xx answers, answers nobody asked for) need the engine served by
+tests/wire.py instead of uvicorn.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tests.wait import TIMEOUT, wait_until
 
@@ -66,6 +71,7 @@ class FakeEngine:
     record: bool = True  # keep every request in `requests` (a soak counts them in `stats` only)
     models_answer: Any = None  # answer /v1/models with this JSON instead of the model list
     stats: Counter[str] = field(default_factory=Counter)  # requests, faults drawn, aborted
+    echo_request_id: bool = True
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.chaos.seed if self.chaos else None)
@@ -76,6 +82,7 @@ class FakeEngine:
 
     def app(self) -> Starlette:
         return Starlette(
+            middleware=[Middleware(_EchoRequestId)] if self.echo_request_id else [],
             routes=[
                 Route("/v1/chat/completions", self._generate, methods=["POST"]),
                 Route("/v1/completions", self._generate, methods=["POST"]),
@@ -85,7 +92,7 @@ class FakeEngine:
                 Route("/health", self._health),
                 Route("/metrics", self._metrics),
                 Route("/stats", self._stats),
-            ]
+            ],
         )
 
     async def _record(self, request: Request) -> dict[str, Any]:
@@ -253,3 +260,20 @@ class FakeEngine:
 
 def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+class _EchoRequestId:
+    """As vLLM's `XRequestIdMiddleware`: an answer carries the `X-Request-Id` of its request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = Headers(scope=scope).get("x-request-id") if scope["type"] == "http" else None
+
+        async def echo(message: Message) -> None:
+            if message["type"] == "http.response.start" and request_id is not None:
+                MutableHeaders(scope=message).append("x-request-id", request_id)
+            await send(message)
+
+        await self.app(scope, receive, echo)

@@ -210,6 +210,52 @@ def test_a_late_extra_response_on_an_idle_pooled_connection_is_never_anyones_ans
         assert_recovered(router)
 
 
+def echoing(exchange: Exchange, request_id: str | None = None) -> bytes:
+    """The answer to `exchange` (or to the request `request_id`), echoing its id as vLLM does
+    with `--enable-request-id-headers`."""
+    request_id = request_id or exchange.request_id
+    body = answer_for(request_id) if request_id != exchange.request_id else completion(exchange)
+    return response(body=body, headers=b"x-request-id: %s\r\n" % request_id.encode())
+
+
+def test_an_answer_naming_another_request_is_never_passed_on() -> None:
+    """The race a late copy can win: it lands just after the next request went out on the pooled
+    connection, so it reads as that request's answer; only the echoed id tells them apart."""
+
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if exchange.index == 1:
+            writer.write(echoing(exchange, "first"))  # the copy, written as the request arrives
+        writer.write(echoing(exchange))
+        return True
+
+    with RawEngine(answer) as engine, routed(engine.url) as router:
+        assert answer_text(router.ask("first")) == "first"
+        reply = router.ask("second")  # no other backend to try
+        assert_upstream_failed(reply)
+        assert "first" not in reply.text
+        assert router.total("specroute_upstream_errors_total", kind="wrong_answer") == 1
+        assert engine.wait_for(lambda: 1 in engine.closed)  # the connection with the copy on it
+        assert_own_answers(router)
+        assert_recovered(router)
+
+
+def test_an_answer_naming_another_request_is_retried_elsewhere() -> None:
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(echoing(exchange, "someone-else") + echoing(exchange))
+        return True
+
+    with RawEngine(answer) as bad, RawEngine() as good:
+        other = {"pools": {"p": {"backends": {"good": {"url": good.url, "max_concurrency": 8}}}}}
+        with routed(bad.url, **other) as router:
+            for i in range(4):  # whichever backend each is sent to first
+                reply = router.ask(f"client-{i}")
+                assert reply.status_code == 200 and answer_text(reply) == f"client-{i}"
+                assert reply.headers["x-route-backend"] == "good"
+            assert bad.requests, "the engine that answers wrongly was never asked"
+            wrong = router.total("specroute_upstream_errors_total", backend="e", kind="wrong_answer")
+            assert wrong == len(bad.requests) == router.total("specroute_retries_total", backend="e")
+
+
 def test_two_responses_in_one_write() -> None:
     async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         extra = response(body=answer_for("EXTRA")) if exchange.index == 0 else b""
