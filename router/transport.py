@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import io
 import ssl
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -163,9 +164,16 @@ class Transport(Protocol):
 
 
 class _AiohttpResponse:
-    def __init__(self, transport: AiohttpTransport, response: aiohttp.ClientResponse, idle: float | None) -> None:
+    def __init__(
+        self,
+        transport: AiohttpTransport,
+        session: aiohttp.ClientSession,
+        response: aiohttp.ClientResponse,
+        idle: float | None,
+    ) -> None:
         self._transport = transport
-        transport.in_use += 1
+        self._session = session
+        transport.opened(session)
         self._closed = False
         self._response = response
         self.status = response.status
@@ -204,13 +212,13 @@ class _AiohttpResponse:
         return b"".join(chunks)
 
     async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._transport.in_use -= 1
         if self._response.content.is_eof():
             self._response.release()
         else:
             self._response.close()
+        if not self._closed:
+            self._closed = True
+            await self._transport.closed(self._session)
 
 
 class _Handler(ResponseHandler):
@@ -254,11 +262,16 @@ class AiohttpTransport:
     """One aiohttp session for everything the router sends to the engines."""
 
     def __init__(self, *, connections_per_origin: int, tls: ssl.SSLContext) -> None:
-        self._retired: list[aiohttp.ClientSession] = []
-        self.in_use = 0  # responses handed out and not yet closed
+        self._open: Counter[aiohttp.ClientSession] = Counter()  # responses handed out, not yet closed
+        self._retired: set[aiohttp.ClientSession] = set()  # replaced by a reload; closed once nothing of theirs is open
         self._limit = 0
         self._session: aiohttp.ClientSession | None = None
         self.configure(connections_per_origin=connections_per_origin, tls=tls)
+
+    @property
+    def in_use(self) -> int:
+        """Responses handed out and not yet closed."""
+        return self._open.total()
 
     def configure(self, *, connections_per_origin: int, tls: ssl.SSLContext) -> None:
         # The TLS context goes with each request: connections made with another one are pooled apart.
@@ -266,11 +279,25 @@ class AiohttpTransport:
         limit = connections_per_origin + _PROBE_CONNECTIONS
         if limit != self._limit:
             # aiohttp cannot change a connector's cap: requests under way finish on the old
-            # session, whose idle connections expire with the keep-alive time; new ones use a new one.
+            # session, closed once they have; new ones use a new session.
             if self._session is not None:
-                self._retired.append(self._session)
+                self._retired.add(self._session)
             self._limit = limit
             self._session = None  # made on first use, inside the running event loop
+
+    def opened(self, session: aiohttp.ClientSession) -> None:
+        self._open[session] += 1
+
+    async def closed(self, session: aiohttp.ClientSession) -> None:
+        self._open[session] -= 1
+        if not self._open[session]:
+            del self._open[session]
+            await self._close_retired()
+
+    async def _close_retired(self) -> None:
+        for session in [session for session in self._retired if not self._open[session]]:
+            self._retired.discard(session)
+            await session.close()
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -296,8 +323,11 @@ class AiohttpTransport:
         timeouts: Timeouts,
         limits: HeadLimits,
     ) -> Response:
+        if self._retired:
+            await self._close_retired()  # those a reload left with nothing under way
+        session = self._client()
         try:
-            response = await self._client().request(
+            response = await session.request(
                 method,
                 URL(base + target, encoded=True),
                 headers=list(headers),
@@ -321,7 +351,7 @@ class AiohttpTransport:
         if head > limits.head_bytes:
             response.close()
             raise TooLarge(f"the response head is over the {limits.head_bytes} byte limit")
-        return _AiohttpResponse(self, response, timeouts.idle)
+        return _AiohttpResponse(self, session, response, timeouts.idle)
 
     async def get(self, url: str, *, headers: Sequence[tuple[str, str]] = ()) -> tuple[int, bytes]:
         parsed = URL(url, encoded=True)
@@ -340,7 +370,7 @@ class AiohttpTransport:
 
     async def aclose(self) -> None:
         sessions = [*self._retired, *([self._session] if self._session is not None else [])]
-        self._retired, self._session = [], None
+        self._retired, self._session = set(), None
         for session in sessions:
             await session.close()
 

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from router.transport import (
+    KEEP_ALIVE_SECONDS,
     AiohttpTransport,
     ConnectError,
     HeadLimits,
@@ -237,6 +238,42 @@ async def test_abandoned_response_closes_its_connection() -> None:
             await asyncio.wait_for(arrived.wait_for(lambda: len(accepted) == 2), 5)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        await transport.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_reload_that_changes_the_connection_cap_closes_the_old_pool_once_it_is_done() -> None:
+    """A new cap needs a new aiohttp session: the old one serves what is under way, then its
+    pooled connections are closed at once — not left to the keep-alive time, nor kept until exit."""
+    closed: list[int] = []
+    one_closed = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        number = len(accepted)
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                closed.append(number)  # the router closed this connection
+                one_closed.set()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with raw_server(handler) as (url, accepted, _):
+        transport = _transport()
+        before = await _post(transport, url)  # on the first session, not yet read
+        transport.configure(connections_per_origin=16, tls=transport.tls)
+        after = await _post(transport, url)  # a new session, a new connection
+        assert accepted == [1, 1] and closed == [] and transport.in_use == 2
+        assert await before.read(limit=10) == b"ok"
+        await before.aclose()
+        # Closed now, well within the keep-alive time (4 s) that would close it otherwise.
+        await asyncio.wait_for(one_closed.wait(), timeout=KEEP_ALIVE_SECONDS / 2)
+        assert closed == [1]
+        assert await after.read(limit=10) == b"ok"
+        await after.aclose()
+        assert transport.in_use == 0 and closed == [1]  # the new session's connection stays pooled
         await transport.aclose()
 
 
