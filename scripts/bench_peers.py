@@ -8,6 +8,7 @@ format), all on loopback:
     nginx          Debian's nginx, upstream keepalive, proxy_buffering off, access log off
     vllm-router    from PyPI, round_robin over both engines
     sglang-router  from PyPI, round_robin over both engines
+    floor          scripts/peers_floor.py: uvicorn and aiohttp relaying, nothing else (the router's floor)
     specroute      this checkout: `specroute serve --config`, both engines in each pool,
                    max_concurrency 1024, queue 4096, every feature on
 
@@ -45,7 +46,7 @@ from loopback import free_port, wait_until_up
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
-TARGETS = ("direct", "nginx", "vllm-router", "sglang-router", "specroute")
+TARGETS = ("direct", "nginx", "vllm-router", "sglang-router", "floor", "specroute")
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,9 @@ class Stack:
                     "--port", str(port), "--worker-urls", a, b, "--policy", "round_robin", "--log-level", "warn",
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                     "--worker-startup-check-interval", "1"]  # fmt: skip
+        if self.target == "floor":
+            return [str(cache / "tools/bin/python"), str(SCRIPTS / "peers_floor.py"), "--port", str(port),
+                    "--engine", a, "--engine", b]  # fmt: skip
         if self.target == "specroute":
             return [self.args.specroute, "serve", "--config", str(self._specroute_conf()), "--host", "127.0.0.1",
                     "--port", str(port), "--log-level", self.args.specroute_log_level]  # fmt: skip
@@ -297,7 +301,7 @@ def measure(
 
 
 def _profile(pid: int, workload: Workload, args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    out = args.out / "profile-specroute-saturated.txt"
+    out = args.out / f"profile-specroute-{workload.name}.txt"
     return subprocess.Popen(
         [str(args.cache / "tools/bin/py-spy"), "record", "--nonblocking", "--rate", "250", "--format", "raw",
          "--duration", str(max(1, int(workload.duration))), "--pid", str(pid), "--output", str(out)],
@@ -370,10 +374,10 @@ def _version(shown: str) -> str:
     return next((line.split()[-1] for line in shown.splitlines() if line.startswith("Version:")), "?")
 
 
-def _workloads(args: argparse.Namespace) -> list[Workload]:
+def _workloads(args: argparse.Namespace, names: str | None = None) -> list[Workload]:
     paced = Workload("paced", args.paced_streams, args.paced_tokens, args.interval, args.ramp, args.paced_duration)
     saturated = Workload("saturated", args.sat_streams, args.sat_tokens, 0.0, args.sat_ramp, args.sat_duration)
-    return [w for w in (paced, saturated) if w.name in args.workloads.split(",")]
+    return [w for w in (paced, saturated) if w.name in (names or args.workloads).split(",")]
 
 
 def _default_specroute() -> str:
@@ -402,8 +406,8 @@ def main() -> None:
     parser.add_argument("--specroute-layout", choices=["issue", "single"], default="issue",
                         help="issue: both engines in each of two pools; single: one pool, one engine")  # fmt: skip
     parser.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx")
-    parser.add_argument("--profile", action="store_true",
-                        help="then one saturated specroute run under py-spy, not in the table")  # fmt: skip
+    parser.add_argument("--profile", nargs="?", const="saturated", choices=["paced", "saturated"],
+                        help="then one specroute run of this workload under py-spy, not in the table")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke run: small counts, one repetition")
     args = parser.parse_args()
     if args.quick:
@@ -430,9 +434,9 @@ def main() -> None:
     header["load_average_at_end"] = os.getloadavg()
 
     if args.profile and "specroute" in targets:
-        saturated = Workload("saturated", args.sat_streams, args.sat_tokens, 0.0, args.sat_ramp, args.sat_duration)
-        measure("specroute", saturated, args, 0, profile=True)
-        _summarise_profile(args.out / "profile-specroute-saturated.txt", args.out / "profile-top.txt")
+        [profiled] = _workloads(args, args.profile)
+        measure("specroute", profiled, args, 0, profile=True)
+        _summarise_profile(args.out / f"profile-specroute-{profiled.name}.txt", args.out / "profile-top.txt")
 
     report = "\n".join([
         f"commit {header['commit']}, {header['date']}, {header['cores']} cores, load average "

@@ -1,0 +1,68 @@
+"""The floor of the router's stack: a relay with nothing in it but uvicorn and aiohttp.
+
+A raw ASGI app under uvicorn (uvloop, httptools), the router's server, that sends every request
+to the next of the engines in turn with one aiohttp session, the router's client, and relays
+the answer as it arrives: no parsing, no routing, no metrics, no log. What it costs per chunk
+is what the router cannot go under without another server or client (docs/benchmarks.md §6).
+
+    python scripts/peers_floor.py --port 8000 --engine http://127.0.0.1:9001 --engine http://127.0.0.1:9002
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from typing import Any
+
+import aiohttp
+import uvicorn
+
+
+def create_app(engines: list[str]) -> Any:
+    turn = itertools.cycle(engines)
+    session: aiohttp.ClientSession | None = None
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        nonlocal session
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            if session is not None:
+                await session.close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["path"] == "/health":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        body = b""
+        more = True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        if session is None:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
+            session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        headers = {"content-type": "application/json"}
+        async with session.post(next(turn) + scope["path"], data=body, headers=headers) as response:
+            await send({"type": "http.response.start", "status": response.status,
+                        "headers": [(b"content-type", response.headers["content-type"].encode())]})  # fmt: skip
+            while chunk := await response.content.readany():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--engine", action="append", required=True)
+    args = parser.parse_args()
+    uvicorn.run(create_app(args.engine), host="127.0.0.1", port=args.port, loop="uvloop", http="httptools",
+                log_level="warning", access_log=False, backlog=4096)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
