@@ -250,7 +250,7 @@ def measure(
     target: str, workload: Workload, args: argparse.Namespace, rep: int, *, profile: bool = False
 ) -> dict[str, object]:
     with (
-        tempfile.TemporaryDirectory(prefix=f"peers-{target}-") as tmp,
+        _workdir(args, f"{target}-{workload.name}-{rep}") as tmp,
         Stack(target, workload, args, Path(tmp)) as stack,
     ):
         watched = stack.proxy.pid if stack.proxy else None
@@ -298,6 +298,18 @@ def measure(
             "idle_rss_mb": idle,
             "peak_rss_mb": memory_mb(watched, "VmHWM") if watched else None,
         }
+
+
+@contextlib.contextmanager
+def _workdir(args: argparse.Namespace, name: str) -> Iterator[str]:
+    """Where a measurement's processes keep their logs: kept under --out with --keep-logs."""
+    if args.keep_logs:
+        path = args.out / "logs" / name
+        path.mkdir(parents=True, exist_ok=True)
+        yield str(path)
+        return
+    with tempfile.TemporaryDirectory(prefix=f"peers-{name}-") as tmp:
+        yield tmp
 
 
 def _profile(pid: int, workload: Workload, args: argparse.Namespace) -> subprocess.Popen[bytes]:
@@ -409,6 +421,7 @@ def main() -> None:
     parser.add_argument("--profile", nargs="?", const="saturated", choices=["paced", "saturated"],
                         help="then one specroute run of this workload under py-spy, not in the table")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke run: small counts, one repetition")
+    parser.add_argument("--keep-logs", action="store_true", help="keep every process's log under --out/logs")
     args = parser.parse_args()
     if args.quick:
         args.reps, args.paced_streams, args.paced_tokens, args.ramp, args.paced_duration = 1, 16, 16, 0.2, 1.0
