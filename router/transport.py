@@ -345,7 +345,7 @@ class AiohttpTransport:
             response.close()
             raise RemoteProtocolError("the engine switched protocols (101) on a request that asked for none")
         if _names_another_request(headers, response.raw_headers):
-            response.close()
+            _discard_connection(response)
             raise WrongAnswer("the engine's answer names another request in its X-Request-Id")
         head = len(response.reason or "") + sum(len(name) + len(value) + 4 for name, value in response.raw_headers)
         if head > limits.head_bytes:
@@ -373,6 +373,15 @@ class AiohttpTransport:
         self._retired, self._session = set(), None
         for session in sessions:
             await session.close()
+
+
+def _discard_connection(response: aiohttp.ClientResponse) -> None:
+    """Close the connection a response came on, even one aiohttp already put back in its pool:
+    it does so as soon as a body has wholly arrived, before the caller sees the head."""
+    response.close()
+    protocol = response._protocol  # kept after the release (aiohttp is pinned to its minor)
+    if protocol is not None:
+        protocol.close()
 
 
 def _names_another_request(sent: Sequence[tuple[str, str]], received: Sequence[tuple[bytes, bytes]]) -> bool:
