@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Peak memory of `specroute serve` while it takes one large batch file on `POST /v1/files`.
+
+Writes a JSONL batch file of about --mb megabytes (--lines requests, each with a long prompt),
+starts `specroute serve --config FILE` (its batch store in a fresh directory; the engines are
+never asked), reads the router's peak RSS (VmHWM) once it is up, uploads the file with curl
+(which streams it from disk, so the client's memory is not the question), and reads the peak
+again. Each run is a new router process.
+
+    python scripts/bench_upload.py --specroute /path/to/.venv/bin/specroute --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from loopback import free_port
+
+
+def write_batch_file(path: Path, *, lines: int, megabytes: float) -> int:
+    """`lines` chat requests whose prompts fill about `megabytes` in all; the file's size."""
+    prompt = "x" * max(1, int(megabytes * 1e6 / lines) - 200)
+    with path.open("w") as out:
+        for i in range(lines):
+            body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": f"{i} {prompt}"}]}
+            row = {"custom_id": f"r-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+            out.write(json.dumps(row) + "\n")
+    return path.stat().st_size
+
+
+def up(url: str, process: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"{url}: the process exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.05)
+    raise SystemExit(f"{url}: not up after {timeout} s")
+
+
+def peak_mb(pid: int) -> dict[str, float]:
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {name: int(fields[name].split()[0]) / 1024 for name in ("VmRSS", "VmHWM")}
+
+
+def one_run(specroute: str, batch_file: Path, workdir: Path) -> dict[str, float]:
+    port = free_port()
+    store = Path(tempfile.mkdtemp(dir=workdir, prefix="store-"))
+    config = workdir / f"router-{port}.yaml"
+    unreachable = f"http://127.0.0.1:{free_port()}"  # nothing listens: uploads never reach an engine
+    config.write_text(
+        json.dumps(  # JSON is YAML
+            {
+                "listen": {"host": "127.0.0.1", "port": port},
+                "pools": {
+                    "fast": {"speculative": True, "backends": {"fast-1": {"url": unreachable}}},
+                    "team": {"speculative": False, "backends": {"team-1": {"url": unreachable}}},
+                },
+                "batch": {"store_dir": str(store)},
+            }
+        )
+    )
+    router = subprocess.Popen([specroute, "serve", "--config", str(config), "--log-level", "error"])
+    try:
+        up(f"http://127.0.0.1:{port}/healthz", router)
+        before = peak_mb(router.pid)
+        started = time.monotonic()
+        answer = subprocess.run(
+            [
+                "curl", "-sS", "--max-time", "600", "-H", "Authorization: Bearer bench",
+                "-F", "purpose=batch", "-F", f"file=@{batch_file};type=application/jsonl",
+                f"http://127.0.0.1:{port}/v1/files",
+            ],  # fmt: skip
+            capture_output=True,
+            check=True,
+        )
+        seconds = time.monotonic() - started
+        uploaded = json.loads(answer.stdout)
+        if uploaded.get("bytes") != batch_file.stat().st_size:
+            raise SystemExit(f"the upload was not taken: {answer.stdout[:500]!r}")
+        after = peak_mb(router.pid)
+        return {"seconds": seconds, "peak_before_mb": before["VmHWM"], "peak_after_mb": after["VmHWM"]}
+    finally:
+        router.terminate()
+        router.wait(30)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--specroute", default=str(Path(sys.executable).parent / "specroute"))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--mb", type=float, default=200.0, help="size of the batch file, in megabytes (10^6)")
+    parser.add_argument("--lines", type=int, default=50_000)
+    parser.add_argument("--dir", default=None, help="where the file and the stores go (default: a temp dir)")
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(dir=args.dir, prefix="bench-upload-"))
+    batch_file = workdir / "batch.jsonl"
+    size = write_batch_file(batch_file, lines=args.lines, megabytes=args.mb)
+    try:
+        runs = [one_run(args.specroute, batch_file, workdir) for _ in range(args.runs)]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    print(json.dumps({"specroute": args.specroute, "file_bytes": size, "runs": runs, "median": median}, indent=2))
+    print(
+        f"median of {len(runs)}: a {size / 1e6:.1f} MB upload in {median['seconds']:.1f} s; router peak RSS "
+        f"{median['peak_before_mb']:.1f} MB before it, {median['peak_after_mb']:.1f} MB after"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
