@@ -280,8 +280,12 @@ class Batch(_Model):
     # SQLite database (WAL) holding the files, batches and every line's result; relative to the
     # working directory. Read once at start: changing it needs a restart.
     store_dir: str = "specroute-batches"
-    # An uploaded file larger than this is refused (413 file_too_large); OpenAI allows 200 MB.
-    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1)
+    # An uploaded file larger than this is refused (413 file_too_large); OpenAI allows 200 MB. At
+    # most 10^9: SQLite's largest value (SQLITE_MAX_LENGTH), and the store keeps a file as one.
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1, le=1_000_000_000)
+    # Longest time a client may take to send an upload's body (408 body_timeout): what
+    # timeouts.client_body is for other requests, longer because a batch file is large.
+    upload_timeout: float = Field(default=600.0, gt=0)
     # Files kept in all (inputs, outputs, error files); an upload past it is refused (413 storage_full).
     max_storage_bytes: int = Field(default=10 * 1024**3, ge=1)
     # Requests in one input file; OpenAI allows 50,000.

@@ -1,6 +1,11 @@
-"""A client's JSON body, read within limits: never a parser that recurses without end.
+"""A client's body, read within limits: never more bytes than allowed, never for longer than
+allowed, and never a JSON parser that recurses without end.
 
-Python's parser recurses once per level of nesting; a body nested ~1,000 deep makes it raise
+`body_chunks` and `read_body` are the one reader of request bodies (the proxy's and the Batch
+API's): a body declared or found over its limit is 413, one that does not arrive within its time
+is 408, and a client that hangs up raises `ClientGone`.
+
+Python's JSON parser recurses once per level of nesting; a body nested ~1,000 deep makes it raise
 RecursionError (a 500, had it not been caught). Any body nested deeper than `limits.json_depth`
 is the client's error, 400 `invalid_json`, like a body that is not JSON at all.
 """
@@ -8,9 +13,60 @@ is the client's error, 400 `invalid_json`, like a body that is not JSON at all.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncGenerator
 from typing import Any
 
-from router.errors import BadRequest
+import anyio
+from starlette.types import Receive
+
+from router.errors import BadRequest, PayloadTooLarge, RequestTimeout
+
+
+class ClientGone(Exception):
+    """The client closed its connection."""
+
+
+async def body_chunks(
+    receive: Receive, *, limit: int, within: float, declared: str | None = None, code: str = "body_too_large"
+) -> AsyncGenerator[bytes, None]:
+    """The request body as it arrives, at most `limit` bytes in all, within `within` seconds of
+    the first read. `declared` is the request's Content-Length: a body declared too large is
+    refused before a byte of it is read. `code` names the limit in the 413."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit, code)
+    deadline = anyio.current_time() + within
+    size = 0
+    more_body = True
+    while more_body:
+        # The deadline is held only around each wait, never across a yield: the consumer's work
+        # (a disk write) is not the client's delay, and a cancel scope must not span a yield.
+        try:
+            with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
+                message = await receive()
+        except TimeoutError as exc:
+            raise RequestTimeout(f"request body not received within {within:g} s", code="body_timeout") from exc
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk: bytes = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit, code)
+        more_body = message.get("more_body", False)
+        if chunk:
+            yield chunk
+
+
+async def read_body(
+    receive: Receive, *, limit: int, within: float, declared: str | None = None, code: str = "body_too_large"
+) -> bytes:
+    """The whole request body, read as `body_chunks` reads it."""
+    return b"".join(
+        [chunk async for chunk in body_chunks(receive, limit=limit, within=within, declared=declared, code=code)]
+    )
+
+
+def _too_large(limit: int, code: str) -> PayloadTooLarge:
+    return PayloadTooLarge(f"request body is over the {limit} byte limit", code=code)
 
 
 def parse_json(body: bytes, *, max_depth: int) -> Any:

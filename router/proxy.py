@@ -32,8 +32,6 @@ from router.content import ContentKind, detect_kind, request_text
 from router.errors import (
     BadRequest,
     NoBackendAvailable,
-    PayloadTooLarge,
-    RequestTimeout,
     RouterError,
     ShuttingDown,
     UpstreamError,
@@ -42,7 +40,8 @@ from router.errors import (
 from router.headers import bearer, request_headers, response_headers
 from router.learn import SpeedModel
 from router.metrics import Metrics
-from router.payload import parse_json
+from router.payload import ClientGone as BodyClientGone
+from router.payload import parse_json, read_body
 from router.policy import Decision, Policy
 from router.pools import Backend, Clients, Pools
 from router.transport import (
@@ -204,30 +203,15 @@ class Proxy:
         return detect_kind(request_text(payload), hints=self._code_hints)
 
     async def _read_body(self, headers: dict[str, str], receive: Receive) -> bytes:
-        limit = self._settings.max_body_bytes
-        declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLarge(f"request body is over the {limit} byte limit", code="body_too_large")
-        chunks = []
-        size = 0
-        more_body = True
         try:
-            with anyio.fail_after(self._settings.timeouts.client_body):
-                while more_body:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        raise ClientGone
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > limit:
-                        raise PayloadTooLarge(f"request body is over the {limit} byte limit", code="body_too_large")
-                    chunks.append(chunk)
-                    more_body = message.get("more_body", False)
-        except TimeoutError as exc:
-            raise RequestTimeout(
-                f"request body not received within {self._settings.timeouts.client_body:g} s", code="body_timeout"
-            ) from exc
-        return b"".join(chunks)
+            return await read_body(
+                receive,
+                limit=self._settings.max_body_bytes,
+                within=self._settings.timeouts.client_body,
+                declared=headers.get("content-length"),
+            )
+        except BodyClientGone as exc:  # the same event, as this module names it
+            raise ClientGone from exc
 
     async def _serve_until_disconnect(self, receive: Receive, send: Send, call: Call) -> None:
         """Serve the request, cancelling everything (queue wait, upstream) if the client leaves."""

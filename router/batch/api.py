@@ -9,29 +9,28 @@ is `anonymous`. Another client asking for it gets 404, as if it did not exist.
 from __future__ import annotations
 
 import hashlib
+import io
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import IO, TYPE_CHECKING, Any
 
 import anyio
-from starlette.datastructures import UploadFile
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
-from starlette.types import Message, Receive
 
 from router.batch import files
 from router.batch.store import BatchRecord, FileRecord, StorageFull
+from router.batch.upload import receive_upload
 from router.errors import BadRequest, Conflict, NotFound, PayloadTooLarge
 from router.headers import bearer
-from router.payload import parse_json
+from router.payload import ClientGone, parse_json, read_body
 
 if TYPE_CHECKING:
     from router.batch.service import BatchService
 
 _WINDOW_SECONDS = {"24h": 24 * 3600}
 _JSON_LIMIT = 1024 * 1024  # a create-batch body
-_MULTIPART_OVERHEAD = 64 * 1024  # boundaries, part headers and the purpose field around the file
 
 
 def batch_routes(service: BatchService) -> list[BaseRoute]:
@@ -73,35 +72,34 @@ class _Api:
 
     async def upload(self, request: Request) -> Response:
         owner = self._owner(request)
-        config = self._service.config
-        limit = config.max_file_bytes
-        request = Request(request.scope, _limited(request, limit + _MULTIPART_OVERHEAD, code="file_too_large"))
+        config, store = self._service.config, self._service.store
+        spool = await anyio.to_thread.run_sync(store.temporary_file)
         try:
-            async with request.form(max_files=1, max_fields=4) as form:
-                upload, purpose = form.get("file"), form.get("purpose")
-                if not isinstance(upload, UploadFile):
-                    raise BadRequest("a multipart field 'file' is required", param="file", code="missing_file")
-                content = await upload.read()
-                filename = upload.filename or "upload.jsonl"
-        except HTTPException as exc:  # Starlette's answer to a malformed multipart body
-            raise BadRequest(f"malformed multipart body: {exc.detail}", code="invalid_multipart") from exc
-        if purpose != "batch":
-            raise BadRequest("purpose must be 'batch': this router keeps batch files only", param="purpose")
-        if len(content) > limit:
-            raise PayloadTooLarge(f"the file is over the {limit} byte limit", param="file", code="file_too_large")
-        await anyio.to_thread.run_sync(
-            lambda: files.parse(
-                content, max_lines=config.max_lines, max_depth=self._service.router.settings.limits.json_depth
-            )
-        )
-        record = FileRecord(_new_id("file-"), owner, filename[:255], "batch", len(content), self._service.now())
-        try:
-            await anyio.to_thread.run_sync(
-                lambda: self._service.store.add_file(record, content, limit=config.max_storage_bytes)
-            )
-        except StorageFull as exc:
-            raise PayloadTooLarge(f"no room for the file: {exc}", param="file", code="storage_full") from exc
+            try:
+                form = await receive_upload(
+                    request, spool, max_file_bytes=config.max_file_bytes, within=config.upload_timeout
+                )
+            except ClientGone:
+                return Response(status_code=499)  # nobody is left to answer
+            if form.filename is None:
+                raise BadRequest("a multipart field 'file' is required", param="file", code="missing_file")
+            if form.fields.get("purpose") != "batch":
+                raise BadRequest("purpose must be 'batch': this router keeps batch files only", param="purpose")
+            record = FileRecord(_new_id("file-"), owner, form.filename[:255], "batch", form.size, self._service.now())
+            await anyio.to_thread.run_sync(lambda: self._check(spool))
+            try:
+                await anyio.to_thread.run_sync(lambda: store.add_file(record, spool, limit=config.max_storage_bytes))
+            except StorageFull as exc:
+                raise PayloadTooLarge(f"no room for the file: {exc}", param="file", code="storage_full") from exc
+        finally:
+            await anyio.to_thread.run_sync(spool.close)  # and so it is gone: it never had a name
         return JSONResponse(_file(record))
+
+    def _check(self, content: IO[bytes]) -> None:
+        """Every line of an input file, checked as `files.parse` checks it (BadRequest at the first bad one)."""
+        content.seek(0)
+        for _ in self._parse(content):
+            pass
 
     async def list_files(self, request: Request) -> Response:
         owner = self._owner(request)
@@ -141,15 +139,28 @@ class _Api:
         deleted = await anyio.to_thread.run_sync(self._service.store.delete_file, owner, record.id)
         return JSONResponse({"id": record.id, "object": "file", "deleted": deleted})
 
-    def _parse(self, content: bytes) -> list[files.Request]:
-        max_depth = self._service.router.settings.limits.json_depth
-        return files.parse(content, max_lines=self._service.config.max_lines, max_depth=max_depth)
+    def _parse(self, content: IO[bytes]) -> Iterator[files.Request]:
+        settings = self._service.router.settings
+        return files.parse(
+            content,
+            max_lines=settings.batch.max_lines,
+            max_depth=settings.limits.json_depth,
+            max_line_bytes=settings.max_body_bytes,
+        )
 
     # Batches.
 
     async def create(self, request: Request) -> Response:
         owner = self._owner(request)
-        raw = b"".join([chunk async for chunk in Request(request.scope, _limited(request, _JSON_LIMIT)).stream()])
+        try:
+            raw = await read_body(
+                request.receive,
+                limit=_JSON_LIMIT,
+                within=self._service.router.settings.timeouts.client_body,
+                declared=request.headers.get("content-length"),
+            )
+        except ClientGone:
+            return Response(status_code=499)  # nobody is left to answer
         params = parse_json(raw, max_depth=self._service.router.settings.limits.json_depth)
         if not isinstance(params, dict):
             raise BadRequest("request body must be a JSON object", code="invalid_json")
@@ -170,15 +181,11 @@ class _Api:
             )
         ):
             raise BadRequest("metadata: at most 16 string keys (64 chars) and values (512 chars)", param="metadata")
-        store, config = self._service.store, self._service.config
+        store = self._service.store
         content = await anyio.to_thread.run_sync(store.file_content, owner, file_id)
         if content is None:
             raise NotFound(f"No such File object: {file_id}", param="input_file_id", code="file_not_found")
-        requests = await anyio.to_thread.run_sync(
-            lambda: files.parse(
-                content, max_lines=config.max_lines, max_depth=self._service.router.settings.limits.json_depth
-            )
-        )
+        requests = await anyio.to_thread.run_sync(lambda: list(self._parse(io.BytesIO(content))))
         now = self._service.now()
         errors = [
             {
@@ -240,24 +247,6 @@ class _Api:
         cancelled = await anyio.to_thread.run_sync(self._service.store.cancel, owner, record.id, self._service.now())
         self._service.runner.wake()
         return JSONResponse(_batch(cancelled or record))
-
-
-def _limited(request: Request, limit: int, *, code: str = "body_too_large") -> Receive:
-    """The request's receive, refusing a body over `limit` bytes (declared or as it arrives)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body is over the {limit} byte limit", code=code)
-    received = 0
-
-    async def receive() -> Message:
-        nonlocal received
-        message = await request.receive()
-        received += len(message.get("body", b""))
-        if received > limit:
-            raise PayloadTooLarge(f"request body is over the {limit} byte limit", code=code)
-        return message
-
-    return receive
 
 
 def _limit(value: str | None, *, default: int, most: int) -> int:

@@ -8,7 +8,9 @@ The first line that is wrong is named in the error (1-based, as an editor counts
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import IO
 
 from router.errors import BadRequest
 from router.payload import parse_json
@@ -24,32 +26,38 @@ class Request:
     model: str | None
 
 
-def parse(content: bytes, *, max_lines: int, max_depth: int) -> list[Request]:
-    """The file's requests; BadRequest (`invalid_file`, naming the line) at the first bad one."""
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadRequest(f"the file is not UTF-8 (byte {exc.start})", param="file", code="invalid_file") from exc
-    requests: list[Request] = []
+def parse(file: IO[bytes], *, max_lines: int, max_depth: int, max_line_bytes: int) -> Iterator[Request]:
+    """The file's requests, read from where it stands line by line; BadRequest (`invalid_file`,
+    naming the line) at the first bad one. Only one line at a time is in memory, and no line
+    longer than `max_line_bytes`: the request it holds could not be sent."""
     seen: set[str] = set()
-    for number, raw in enumerate(text.splitlines(), start=1):
+    count = 0
+    number = 0
+    while raw := file.readline(max_line_bytes + 1):
+        number += 1
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            raise _bad(number, f"longer than {max_line_bytes} bytes (max_body_bytes), the most a request may be")
         if not raw.strip():
             continue  # a trailing newline, or blank lines between requests
-        if len(requests) == max_lines:
+        if count == max_lines:
             raise _bad(number, f"the file has more than {max_lines} requests")
         request = _request(number, raw, max_depth)
         if request.custom_id in seen:
             raise _bad(number, f"custom_id {request.custom_id!r} is used more than once")
         seen.add(request.custom_id)
-        requests.append(request)
-    if not requests:
+        count += 1
+        yield request
+    if not count:
         raise BadRequest("the file has no requests", param="file", code="invalid_file")
-    return requests
 
 
-def _request(number: int, raw: str, max_depth: int) -> Request:
+def _request(number: int, raw: bytes, max_depth: int) -> Request:
     try:
-        line = parse_json(raw.encode(), max_depth=max_depth)
+        raw.decode("utf-8")  # JSON may be UTF-16 or -32 too; a batch file is UTF-8
+    except UnicodeDecodeError as exc:
+        raise _bad(number, f"not UTF-8 (byte {exc.start} of the line)") from exc
+    try:
+        line = parse_json(raw, max_depth=max_depth)
     except BadRequest as exc:
         raise _bad(number, exc.message) from exc
     if not isinstance(line, dict):

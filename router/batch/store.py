@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import IO, Any, Literal, Protocol
 
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
@@ -93,6 +94,8 @@ CREATE TABLE IF NOT EXISTS lines (
 CREATE INDEX IF NOT EXISTS lines_pending ON lines (batch_id, done, lease_until);
 """
 
+_COPY_CHUNK = 1024 * 1024  # an upload goes into the database this much at a time
+
 _BATCH_COLUMNS = (
     "id, owner, status, endpoint, input_file_id, completion_window, model, metadata, errors, created_at, "
     "expires_at, in_progress_at, finalizing_at, completed_at, failed_at, expired_at, cancelling_at, "
@@ -156,7 +159,8 @@ class StorageFull(Exception):
 class Store(Protocol):
     """What the Batch API needs of a store; `SqliteStore` is the embedded one."""
 
-    def add_file(self, record: FileRecord, content: bytes, *, limit: int) -> None: ...
+    def temporary_file(self) -> IO[bytes]: ...
+    def add_file(self, record: FileRecord, content: IO[bytes], *, limit: int) -> None: ...
     def get_file(self, owner: str, file_id: str) -> FileRecord | None: ...
     def file_content(self, owner: str, file_id: str) -> bytes | None: ...
     def list_files(
@@ -220,12 +224,36 @@ class SqliteStore:
 
     # Files.
 
-    def add_file(self, record: FileRecord, content: bytes, *, limit: int) -> None:
+    def temporary_file(self) -> IO[bytes]:
+        """An unnamed file in the store's directory, for an upload on its way in: on the store's
+        disk rather than a /tmp that may be memory, and gone when closed, or when the process dies
+        (O_TMPFILE), so nothing is ever left to clean up."""
+        return tempfile.TemporaryFile(dir=self.path.parent)
+
+    def add_file(self, record: FileRecord, content: IO[bytes], *, limit: int) -> None:
+        """Store `record` with `content` (`record.bytes` of it, from the start), a chunk at a time."""
         with self._tx() as db:
             (used,) = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()
-            if used + len(content) > limit:
+            if used + record.bytes > limit:
                 raise StorageFull(f"the batch store holds {used} of its {limit} bytes")
-            self._insert_file(db, record, content)
+            rowid = db.execute(
+                "INSERT INTO files (id, owner, filename, purpose, bytes, created_at, content)"
+                " VALUES (?, ?, ?, ?, ?, ?, zeroblob(?))",
+                (
+                    record.id,
+                    record.owner,
+                    record.filename,
+                    record.purpose,
+                    record.bytes,
+                    record.created_at,
+                    record.bytes,
+                ),
+            ).lastrowid
+            assert rowid is not None
+            content.seek(0)
+            with db.blobopen("files", "content", rowid) as blob:
+                while chunk := content.read(min(_COPY_CHUNK, record.bytes - blob.tell())):
+                    blob.write(chunk)
 
     @staticmethod
     def _insert_file(db: sqlite3.Connection, record: FileRecord, content: bytes) -> None:
