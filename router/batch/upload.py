@@ -64,13 +64,16 @@ async def receive_upload(request: Request, file: IO[bytes], *, max_file_bytes: i
         declared=request.headers.get("content-length"),
         code="file_too_large",
     )
-    async with contextlib.aclosing(chunks):
-        async for chunk in chunks:
-            try:
-                # The callbacks write to disk: off the event loop.
-                await anyio.to_thread.run_sync(parser.write, chunk)
-            except FormParserError as exc:
-                raise _malformed(str(exc)) from exc
+    try:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                try:
+                    # The callbacks write to disk: off the event loop.
+                    await anyio.to_thread.run_sync(parser.write, chunk)
+                except FormParserError as exc:
+                    raise _malformed(str(exc)) from exc
+    except PayloadTooLarge as exc:  # the body, or the file part in it: both are the file's limit
+        raise _too_large(max_file_bytes) from exc
     if not parts.ended:
         raise _malformed("the body ends before the closing boundary")
     return Upload(parts.filename, parts.size, parts.fields)
@@ -143,9 +146,7 @@ class _Parts:
         if self._in_file:
             self.size += end - start
             if self.size > self.max_file_bytes:
-                raise PayloadTooLarge(
-                    f"the file is over the {self.max_file_bytes} byte limit", param="file", code="file_too_large"
-                )
+                raise _too_large(self.max_file_bytes)
             self.file.write(data[start:end])
             return
         if len(self._value) + end - start > _MAX_FIELD_BYTES:
@@ -166,6 +167,10 @@ def _text(raw: bytes) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return raw.decode("latin-1")
+
+
+def _too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the file is over the {limit} byte limit", param="file", code="file_too_large")
 
 
 def _malformed(why: str) -> BadRequest:

@@ -1,0 +1,251 @@
+"""Uploads to `POST /v1/files` from hostile clients on raw sockets: too slow, too large, cut
+short, gone. Each is answered in OpenAI's shape (or, gone, not at all), its temporary file is
+gone, nothing is kept, other uploads and requests go on, and the gauges return to 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Cluster
+from tests.wait import until
+
+MakeCluster = Callable[..., AbstractContextManager[Cluster]]
+BOUNDARY = "b0undary"
+GAUGES = [
+    *(("specroute_in_flight_requests", {"pool": p, "backend": f"{p}-1"}) for p in ("fast", "team")),
+    *(
+        ("specroute_queued_requests", {"pool": p, "job_class": j})
+        for p in ("fast", "team")
+        for j in ("interactive", "batch")
+    ),
+]
+
+
+def _lines(count: int, *, prefix: str = "r") -> bytes:
+    rows = [
+        {
+            "custom_id": f"{prefix}-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "test-model", "max_tokens": 2, "messages": [{"role": "user", "content": f"{i}"}]},
+        }
+        for i in range(count)
+    ]
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
+
+
+def _multipart(file: bytes, *, closed: bool = True) -> bytes:
+    """A multipart body as the SDK sends it: `purpose`, then the file; `closed=False` leaves out
+    the closing boundary."""
+    head = (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+        "Content-Type: application/jsonl\r\n\r\n"
+    ).encode()
+    return head + file + (f"\r\n--{BOUNDARY}--\r\n".encode() if closed else b"")
+
+
+def _head(length: int | None) -> bytes:
+    framing = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    return (
+        "POST /v1/files HTTP/1.1\r\nHost: router\r\nAuthorization: Bearer k\r\n"
+        f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n{framing}\r\n\r\n"
+    ).encode()
+
+
+async def _answer(reader: asyncio.StreamReader, *, within: float = 30) -> tuple[int, dict[str, Any]]:
+    """The status and JSON body of the router's answer."""
+    async with asyncio.timeout(within):
+        head = await reader.readuntil(b"\r\n\r\n")
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {n.strip().lower(): v.strip() for n, _, v in (line.partition(":") for line in lines if line)}
+        body = await reader.readexactly(int(headers["content-length"]))
+    return int(status_line.split(" ")[1]), json.loads(body)
+
+
+def _error(answer: tuple[int, dict[str, Any]], status: int, code: str) -> dict[str, Any]:
+    got, body = answer
+    assert got == status, body
+    error: dict[str, Any] = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", code)
+    return error
+
+
+def _store(cluster: Cluster) -> str:
+    return os.path.realpath(str(cluster.config["batch"]["store_dir"]))
+
+
+def _temporary_files(store: str) -> list[str]:
+    """Files open in this process (the router runs in it) in the store's directory that have no
+    name: uploads on their way in."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith(store + "/") and target.endswith(" (deleted)"):
+            found.append(target)
+    return found
+
+
+async def _nothing_left(cluster: Cluster) -> None:
+    """No temporary file, nothing but the database in the store, no file kept, gauges at 0, and a
+    normal request served."""
+    store = _store(cluster)
+    await until(lambda: not _temporary_files(store), message="the upload's temporary file closed")
+    assert all(name.startswith("batches.sqlite3") for name in os.listdir(store)), os.listdir(store)
+    client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=30)
+    assert not [f async for f in client.files.list()]
+    for name, labels in GAUGES:
+        assert cluster.settled_metric(name, 0, **labels) == 0, (name, labels)
+    answer = await client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
+    assert answer.choices[0].message.content
+    await client.close()
+
+
+@pytest.mark.anyio
+async def test_a_slow_upload_is_408_while_other_uploads_and_requests_go_on(make_cluster: MakeCluster) -> None:
+    with make_cluster(batch={"upload_timeout": 2, "poll_interval": 0.05}) as cluster:
+        store = _store(cluster)
+        body = _multipart(_lines(20, prefix="slow"))
+        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
+        writer.write(_head(len(body)) + body[:200])
+        await writer.drain()
+        await until(lambda: _temporary_files(store), message="the upload's temporary file")
+        started = time.monotonic()
+
+        async def dribble() -> None:  # a byte at a time: each arrives, the whole never does
+            for byte in body[200:]:
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(0.05)
+
+        dribbling = asyncio.create_task(dribble())
+        # Meanwhile another client uploads, runs a batch to the end, and chats.
+        client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=30)
+        uploaded = await client.files.create(file=("fine.jsonl", _lines(5)), purpose="batch")
+        batch = await client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        done = await until(
+            lambda: _completed(client, batch.id), message="the other client's batch completed", timeout=30
+        )
+        assert done.request_counts is not None and done.request_counts.completed == 5
+        assert not dribbling.done()  # the slow upload was still under way all along
+
+        error = _error(await _answer(reader), 408, "body_timeout")
+        assert "2 s" in error["message"]
+        assert time.monotonic() - started < 20  # at the upload's deadline, not whenever the body ends
+        dribbling.cancel()
+        writer.close()
+        # Only the other client's files are kept: its input, and its batch's output.
+        assert {f.filename async for f in client.files.list()} == {"fine.jsonl", f"{batch.id}_output.jsonl"}
+        for file_id in (uploaded.id, done.output_file_id):
+            await client.files.delete(file_id)
+        await client.close()
+        await _nothing_left(cluster)
+
+
+async def _completed(client: openai.AsyncOpenAI, batch_id: str) -> Any:
+    batch = await client.batches.retrieve(batch_id)
+    return batch if batch.status == "completed" else None
+
+
+@pytest.mark.anyio
+async def test_an_upload_over_the_limit_is_413_before_it_is_all_sent(make_cluster: MakeCluster) -> None:
+    limit = 1_000_000
+    with make_cluster(batch={"max_file_bytes": limit}) as cluster:
+        # Chunked, so the size shows only as it arrives; far more than the limit on offer.
+        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
+        writer.write(_head(None))
+        chunk = _lines(500)
+        offered = 256 * 1024 * 1024
+        sent = 0
+
+        async def flood() -> None:
+            nonlocal sent
+            for data in (_multipart(b"", closed=False), *(chunk for _ in range(offered // len(chunk)))):
+                writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                await writer.drain()
+                sent += len(data)
+
+        flooding = asyncio.create_task(flood())
+        error = _error(await _answer(reader), 413, "file_too_large")
+        assert f"{limit} byte limit" in error["message"]
+        # Answered having taken about the limit, while most of the body was still on offer: it was
+        # never read whole, into memory or anywhere else.
+        assert sent < offered // 4, sent
+        flooding.cancel()
+        with pytest.raises((asyncio.CancelledError, ConnectionError)):
+            await flooding
+        writer.close()
+        await _nothing_left(cluster)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (_multipart(_lines(3), closed=False), "ends before the closing boundary"),
+        (_multipart(_lines(3))[:-40], "ends before the closing boundary"),  # cut inside the file
+        (_multipart(b"")[:60], "ends before the closing boundary"),  # cut inside a part's headers
+        (b"not multipart at all", "Expected boundary character"),
+        (
+            _multipart(_lines(1)).replace(b'name="purpose"', b'name="purpose" ' + b"x" * 9000),
+            "",  # a part header over python-multipart's limit
+        ),
+        (_multipart(_lines(1)).replace(b"batch\r\n", b"b" * 2000 + b"\r\n"), "over 1024 bytes"),
+    ],
+)
+async def test_a_malformed_or_truncated_multipart_body_is_400(make_cluster: MakeCluster, body: bytes, why: str) -> None:
+    with make_cluster() as cluster:
+        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
+        writer.write(_head(len(body)) + body)
+        await writer.drain()
+        error = _error(await _answer(reader), 400, "invalid_multipart")
+        assert why in error["message"]
+        writer.close()
+        await _nothing_left(cluster)
+
+
+@pytest.mark.anyio
+async def test_a_client_that_leaves_mid_upload_leaves_nothing(make_cluster: MakeCluster) -> None:
+    with make_cluster() as cluster:
+        store = _store(cluster)
+        body = _multipart(_lines(200))
+        _, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
+        writer.write(_head(len(body)) + body[: len(body) // 2])
+        await writer.drain()
+        await until(lambda: _temporary_files(store), message="the upload's temporary file")
+        writer.close()
+        await writer.wait_closed()
+        await _nothing_left(cluster)
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"other": ("a.jsonl", _lines(1))},  # no part named `file`
+        [("file", ("a.jsonl", _lines(1))), ("file", ("b.jsonl", _lines(1)))],  # two files
+    ],
+)
+def test_a_file_part_named_otherwise_or_a_second_file_is_400(make_cluster: MakeCluster, files: Any) -> None:
+    with make_cluster() as cluster:
+        answer = httpx.post(cluster.base_url + "/files", data={"purpose": "batch"}, files=files)
+        assert answer.status_code == 400
+        error = answer.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["code"] in ("missing_file", "invalid_multipart")
+        asyncio.run(_nothing_left(cluster))
