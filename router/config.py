@@ -301,8 +301,9 @@ class Batch(_Model):
     # A line taken by a router is its own for this long (renewed while it runs); a router that
     # died leaves its lines to another (or to itself after a restart) once this has passed.
     lease_seconds: float = Field(default=60.0, gt=0)
-    # A line whose request found no room (503), or failed upstream (502, 504), is tried again
-    # later, after `retry_backoff` seconds doubling each time, at most this many times in all.
+    # A line answered 429, 502, 503 or 504, or not answered at all (an empty body, a fault of the
+    # router's own), is tried again later, after `retry_backoff` seconds doubling each time, at
+    # most this many times in all; then its last answer is recorded (in the error file).
     max_attempts: int = Field(default=5, ge=1)
     retry_backoff: float = Field(default=1.0, gt=0)
 

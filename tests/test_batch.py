@@ -146,6 +146,27 @@ def test_a_line_the_engine_rejects_goes_to_the_error_file_async(keyed: Cluster) 
     assert keyed.settled_metric("specroute_batch_lines_total", 1, result="failed") == 1
 
 
+@pytest.mark.parametrize(("status", "sent"), [(302, 1), (429, 2)])
+def test_a_line_answered_other_than_2xx_goes_to_the_error_file(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]], status: int, sent: int
+) -> None:
+    # A 3xx is no success: never in the output file. A 429 is tried again, `max_attempts` in all.
+    with make_cluster(batch={**FAST, "max_attempts": 2}) as cluster:
+        cluster.team.fail_status = status
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        uploaded = client.files.create(file=("one.jsonl", _lines(1)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        done = _finished(client, batch.id)
+        assert done.status == "completed" and done.output_file_id is None and done.error_file_id
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (0, 1)
+        errors = _jsonl(client.files.content(done.error_file_id).content)
+        assert [(row["custom_id"], row["response"]["status_code"]) for row in errors] == [("r-0", status)]
+        assert len(cluster.team.requests) == sent
+
+
 @pytest.mark.parametrize(
     ("content", "line", "why"),
     [

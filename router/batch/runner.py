@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("specroute.batch")
 
-# Router answers that mean "not now": the line is tried again later rather than failed.
+# Router answers that mean "not now": the line is tried again later rather than failed (as is a
+# line with no answer at all: an empty body, or the router's own fault).
 _TRANSIENT = frozenset({429, 502, 503, 504})
 _CLAIM = 8  # lines taken from the store at once per batch
 _TTFT_SAMPLES = 32
@@ -276,7 +277,7 @@ class Runner:
             await anyio.to_thread.run_sync(self._store.retry_later, line, self._clock() + backoff)
             self._metrics.retries.inc()
             return
-        failed = status >= 400
+        failed = not 200 <= status < 300  # OpenAI's output file holds successes only: a 3xx is not one
         result = {
             "id": request_id,
             "custom_id": line.custom_id,
