@@ -1,4 +1,4 @@
-"""Uploads to `POST /v1/files` from hostile clients on raw sockets: too slow, too large, cut
+"""Uploads to `POST /v1/files` (and downloads) from hostile clients on raw sockets: too slow, too large, cut
 short, gone. Each is answered in OpenAI's shape (or, gone, not at all), its temporary file is
 gone, nothing is kept, other uploads and requests go on, and the gauges return to 0."""
 
@@ -104,7 +104,7 @@ async def _nothing_left(cluster: Cluster) -> None:
     """No temporary file, nothing but the database in the store, no file kept, gauges at 0, and a
     normal request served."""
     store = _store(cluster)
-    await until(lambda: not _temporary_files(store), message="the upload's temporary file closed")
+    await until(lambda: not _temporary_files(store), message="no temporary file open")
     assert all(name.startswith("batches.sqlite3") for name in os.listdir(store)), os.listdir(store)
     client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=30)
     assert not [f async for f in client.files.list()]
@@ -249,3 +249,50 @@ def test_a_file_part_named_otherwise_or_a_second_file_is_400(make_cluster: MakeC
         assert set(error) == {"message", "type", "param", "code"}
         assert error["code"] in ("missing_file", "invalid_multipart")
         asyncio.run(_nothing_left(cluster))
+
+
+def _big_file(megabytes: int) -> bytes:
+    line = _lines(1)
+    filler = "x" * 4000
+    rows = (
+        line.replace(b'"r-0"', f'"r-{i}"'.encode()).replace(b'"0"', f'"{i} {filler}"'.encode())
+        for i in range(megabytes * 250)
+    )
+    return b"".join(rows)
+
+
+@pytest.mark.anyio
+async def test_a_download_is_whole_though_the_file_is_deleted_meanwhile_and_leaves_nothing(
+    make_cluster: MakeCluster,
+) -> None:
+    with make_cluster() as cluster:
+        store = _store(cluster)
+        content = _big_file(16)  # more than the sockets between hold: the router waits on the reader
+        client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=60)
+        uploaded = await client.files.create(file=("big.jsonl", content), purpose="batch")
+        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
+        writer.write(
+            f"GET /v1/files/{uploaded.id}/content HTTP/1.1\r\nHost: router\r\nAuthorization: Bearer k\r\n\r\n".encode()
+        )
+        async with asyncio.timeout(30):
+            head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and f"content-length: {len(content)}".encode() in head.lower()
+        await until(lambda: _temporary_files(store), message="the download's copy")
+        assert (await client.files.delete(uploaded.id)).deleted  # while it is being read
+        async with asyncio.timeout(60):
+            assert await reader.readexactly(len(content)) == content
+        writer.close()
+
+        # A client that leaves halfway: the copy is closed all the same.
+        again = await client.files.create(file=("big.jsonl", content), purpose="batch")
+        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
+        writer.write(
+            f"GET /v1/files/{again.id}/content HTTP/1.1\r\nHost: router\r\nAuthorization: Bearer k\r\n\r\n".encode()
+        )
+        async with asyncio.timeout(30):
+            await reader.readexactly(1024 * 1024)
+        await until(lambda: _temporary_files(store), message="the download's copy")
+        writer.close()
+        await client.files.delete(again.id)
+        await client.close()
+        await _nothing_left(cluster)

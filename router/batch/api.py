@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import io
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Mount, Route
 
 from router.batch import files
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 _WINDOW_SECONDS = {"24h": 24 * 3600}
 _JSON_LIMIT = 1024 * 1024  # a create-batch body
+_CHUNK = 256 * 1024  # a file's content goes out this much at a time
 
 
 def batch_routes(service: BatchService) -> list[BaseRoute]:
@@ -129,10 +130,25 @@ class _Api:
 
     async def content(self, request: Request) -> Response:
         owner, record = await self._find_file(request)
-        data = await anyio.to_thread.run_sync(self._service.store.file_content, owner, record.id)
-        if data is None:  # deleted meanwhile
-            raise NotFound(f"No such File object: {record.id}", param="file_id", code="file_not_found")
-        return Response(data, media_type="application/jsonl")
+        spool = await self._copy(owner, record.id, param="file_id")
+        size = spool.seek(0, io.SEEK_END)
+        spool.seek(0)
+        return StreamingResponse(_chunks(spool), media_type="application/jsonl", headers={"content-length": str(size)})
+
+    async def _copy(self, owner: str, file_id: str, *, param: str) -> IO[bytes]:
+        """A copy of the file's content in a temporary file (whole, even if it is deleted meanwhile),
+        for the caller to read at its pace and close; NotFound if there is no such file."""
+        store = self._service.store
+        spool = await anyio.to_thread.run_sync(store.temporary_file)
+        try:
+            found = await anyio.to_thread.run_sync(store.copy_file, owner, file_id, spool)
+        except BaseException:
+            spool.close()
+            raise
+        if not found:
+            spool.close()
+            raise NotFound(f"No such File object: {file_id}", param=param, code="file_not_found")
+        return spool
 
     async def delete_file(self, request: Request) -> Response:
         owner, record = await self._find_file(request)
@@ -181,41 +197,53 @@ class _Api:
             )
         ):
             raise BadRequest("metadata: at most 16 string keys (64 chars) and values (512 chars)", param="metadata")
-        store = self._service.store
-        content = await anyio.to_thread.run_sync(store.file_content, owner, file_id)
-        if content is None:
-            raise NotFound(f"No such File object: {file_id}", param="input_file_id", code="file_not_found")
-        requests = await anyio.to_thread.run_sync(lambda: list(self._parse(io.BytesIO(content))))
-        now = self._service.now()
-        errors = [
-            {
-                "code": "invalid_url",
-                "line": number,
-                "message": f"url {request.url!r} does not match the batch's endpoint {endpoint!r}",
-                "param": "url",
-            }
-            for number, request in enumerate(requests, start=1)
-            if request.url != endpoint
-        ][:100]
-        record = BatchRecord(
-            id=_new_id("batch_"),
-            owner=owner,
-            status="failed" if errors else "validating",
-            endpoint=endpoint,
-            input_file_id=file_id,
-            completion_window=window,
-            model=next((r.model for r in requests if r.model is not None), None),
-            metadata=metadata,
-            errors=errors or None,
-            created_at=now,
-            expires_at=now + _WINDOW_SECONDS[window],
-            failed_at=now if errors else None,
-            total=0 if errors else len(requests),
-        )
-        lines = [] if errors else [(r.custom_id, r.url, r.body) for r in requests]
-        await anyio.to_thread.run_sync(store.create_batch, record, lines)
+        spool = await self._copy(owner, file_id, param="input_file_id")
+        try:
+            total, model, errors = await anyio.to_thread.run_sync(self._survey, spool, endpoint)
+            now = self._service.now()
+            record = BatchRecord(
+                id=_new_id("batch_"),
+                owner=owner,
+                status="failed" if errors else "validating",
+                endpoint=endpoint,
+                input_file_id=file_id,
+                completion_window=window,
+                model=model,
+                metadata=metadata,
+                errors=errors or None,
+                created_at=now,
+                expires_at=now + _WINDOW_SECONDS[window],
+                failed_at=now if errors else None,
+                total=0 if errors else total,
+            )
+            spool.seek(0)
+            # Read from the file again as they go into the store: never all in memory at once.
+            lines = () if errors else ((r.custom_id, r.url, r.body) for r in self._parse(spool))
+            await anyio.to_thread.run_sync(self._service.store.create_batch, record, lines)
+        finally:
+            await anyio.to_thread.run_sync(spool.close)
         self._service.runner.wake()
         return JSONResponse(_batch(record))
+
+    def _survey(self, content: IO[bytes], endpoint: str) -> tuple[int, str | None, list[dict[str, Any]]]:
+        """An input file's requests, the first model named, and (at most 100) lines whose url is
+        not the batch's endpoint."""
+        content.seek(0)
+        total, model = 0, None
+        errors: list[dict[str, Any]] = []
+        for total, request in enumerate(self._parse(content), start=1):
+            if model is None:
+                model = request.model
+            if request.url != endpoint and len(errors) < 100:
+                errors.append(
+                    {
+                        "code": "invalid_url",
+                        "line": total,
+                        "message": f"url {request.url!r} does not match the batch's endpoint {endpoint!r}",
+                        "param": "url",
+                    }
+                )
+        return total, model, errors
 
     async def list_batches(self, request: Request) -> Response:
         owner = self._owner(request)
@@ -247,6 +275,16 @@ class _Api:
         cancelled = await anyio.to_thread.run_sync(self._service.store.cancel, owner, record.id, self._service.now())
         self._service.runner.wake()
         return JSONResponse(_batch(cancelled or record))
+
+
+async def _chunks(file: IO[bytes]) -> AsyncIterator[bytes]:
+    """`file` from where it stands, a chunk at a time; closed at its end, or when the client leaves
+    (the response is cancelled there)."""
+    try:
+        while chunk := await anyio.to_thread.run_sync(file.read, _CHUNK):
+            yield chunk
+    finally:
+        file.close()
 
 
 def _limit(value: str | None, *, default: int, most: int) -> int:

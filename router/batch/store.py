@@ -18,7 +18,7 @@ import sqlite3
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +94,7 @@ CREATE TABLE IF NOT EXISTS lines (
 CREATE INDEX IF NOT EXISTS lines_pending ON lines (batch_id, done, lease_until);
 """
 
-_COPY_CHUNK = 1024 * 1024  # an upload goes into the database this much at a time
+_COPY_CHUNK = 1024 * 1024  # files go into and out of the database this much at a time
 
 _BATCH_COLUMNS = (
     "id, owner, status, endpoint, input_file_id, completion_window, model, metadata, errors, created_at, "
@@ -162,12 +162,12 @@ class Store(Protocol):
     def temporary_file(self) -> IO[bytes]: ...
     def add_file(self, record: FileRecord, content: IO[bytes], *, limit: int) -> None: ...
     def get_file(self, owner: str, file_id: str) -> FileRecord | None: ...
-    def file_content(self, owner: str, file_id: str) -> bytes | None: ...
+    def copy_file(self, owner: str, file_id: str, out: IO[bytes]) -> bool: ...
     def list_files(
         self, owner: str, *, purpose: str | None, after: str | None, limit: int, newest_first: bool
     ) -> tuple[list[FileRecord], bool]: ...
     def delete_file(self, owner: str, file_id: str) -> bool: ...
-    def create_batch(self, record: BatchRecord, lines: list[tuple[str, str, str]]) -> None: ...
+    def create_batch(self, record: BatchRecord, lines: Iterable[tuple[str, str, str]]) -> None: ...
     def get_batch(self, owner: str, batch_id: str) -> BatchRecord | None: ...
     def list_batches(self, owner: str, *, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]: ...
     def cancel(self, owner: str, batch_id: str, now: int) -> BatchRecord | None: ...
@@ -270,9 +270,21 @@ class SqliteStore:
         )
         return FileRecord(*rows[0]) if rows else None
 
-    def file_content(self, owner: str, file_id: str) -> bytes | None:
-        rows = self._read("SELECT content FROM files WHERE id = ? AND owner = ?", file_id, owner)
-        return bytes(rows[0][0]) if rows else None
+    def copy_file(self, owner: str, file_id: str, out: IO[bytes]) -> bool:
+        """Write the file's content to `out` a chunk at a time, as one snapshot; False if there is
+        no such file."""
+        with self._lock:
+            self._db.execute("BEGIN")  # a read transaction: a delete meanwhile does not cut it short
+            try:
+                rows = self._db.execute("SELECT seq FROM files WHERE id = ? AND owner = ?", (file_id, owner)).fetchall()
+                if not rows:
+                    return False
+                with self._db.blobopen("files", "content", rows[0][0], readonly=True) as blob:
+                    while chunk := blob.read(_COPY_CHUNK):
+                        out.write(chunk)
+                return True
+            finally:
+                self._db.execute("COMMIT")
 
     def list_files(
         self, owner: str, *, purpose: str | None, after: str | None, limit: int, newest_first: bool
@@ -295,8 +307,9 @@ class SqliteStore:
 
     # Batches.
 
-    def create_batch(self, record: BatchRecord, lines: list[tuple[str, str, str]]) -> None:
-        """The batch and its lines `(custom_id, url, body)`, in one transaction."""
+    def create_batch(self, record: BatchRecord, lines: Iterable[tuple[str, str, str]]) -> None:
+        """The batch and its lines `(custom_id, url, body)`, in one transaction. `lines` is taken
+        one at a time: it may read them from a file as they go in (holding the store meanwhile)."""
         with self._tx() as db:
             db.execute(
                 f"INSERT INTO batches ({_BATCH_COLUMNS}) VALUES ({', '.join('?' * 23)})",
