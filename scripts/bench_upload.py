@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Peak memory of `specroute serve` while it takes one large batch file on `POST /v1/files`.
+"""Peak memory of `specroute serve` while it takes one large batch file on `POST /v1/files`,
+makes a batch of it, and gives it back.
 
 Writes a JSONL batch file of about --mb megabytes (--lines requests, each with a long prompt),
-starts `specroute serve --config FILE` (its batch store in a fresh directory; the engines are
-never asked), reads the router's peak RSS (VmHWM) once it is up, uploads the file with curl
-(which streams it from disk, so the client's memory is not the question), and reads the peak
-again. Each run is a new router process.
+starts `specroute serve --config FILE` (its batch store in a fresh directory; no engine listens),
+and reads the router's peak RSS (VmHWM) once it is up, then the peak of each step on its own
+(the peak is reset before it): the file uploaded with curl (which streams it from disk, so the
+client's memory is not the question), a batch created from it (`POST /v1/batches`, then
+cancelled), the file downloaded (`GET /v1/files/{id}/content`). Each run is a new router process.
 
     python scripts/bench_upload.py --specroute /path/to/.venv/bin/specroute --runs 3
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -58,6 +61,20 @@ def peak_mb(pid: int) -> dict[str, float]:
     return {name: int(fields[name].split()[0]) / 1024 for name in ("VmRSS", "VmHWM")}
 
 
+def reset_peak(pid: int) -> None:
+    """Start the process's peak RSS (VmHWM) again from its RSS now (Linux: clear_refs 5)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def curl(*args: str) -> bytes:
+    """curl's output; it streams a file from disk, so the client's memory is not the question."""
+    command = ["curl", "-sS", "--fail-with-body", "--max-time", "600", "-H", "Authorization: Bearer bench", *args]
+    answer = subprocess.run(command, capture_output=True)
+    if answer.returncode:
+        raise SystemExit(f"{args[-1]}: {answer.stdout[:500]!r} {answer.stderr[:500]!r}")
+    return answer.stdout
+
+
 def one_run(specroute: str, batch_file: Path, workdir: Path) -> dict[str, float]:
     port = free_port()
     store = Path(tempfile.mkdtemp(dir=workdir, prefix="store-"))
@@ -78,23 +95,33 @@ def one_run(specroute: str, batch_file: Path, workdir: Path) -> dict[str, float]
     router = subprocess.Popen([specroute, "serve", "--config", str(config), "--log-level", "error"])
     try:
         up(f"http://127.0.0.1:{port}/healthz", router)
-        before = peak_mb(router.pid)
+        idle = peak_mb(router.pid)["VmHWM"]
+        base = f"http://127.0.0.1:{port}/v1"
+        reset_peak(router.pid)
         started = time.monotonic()
-        answer = subprocess.run(
-            [
-                "curl", "-sS", "--max-time", "600", "-H", "Authorization: Bearer bench",
-                "-F", "purpose=batch", "-F", f"file=@{batch_file};type=application/jsonl",
-                f"http://127.0.0.1:{port}/v1/files",
-            ],  # fmt: skip
-            capture_output=True,
-            check=True,
+        uploaded = json.loads(
+            curl("-F", "purpose=batch", "-F", f"file=@{batch_file};type=application/jsonl", base + "/files")
         )
         seconds = time.monotonic() - started
-        uploaded = json.loads(answer.stdout)
         if uploaded.get("bytes") != batch_file.stat().st_size:
-            raise SystemExit(f"the upload was not taken: {answer.stdout[:500]!r}")
-        after = peak_mb(router.pid)
-        return {"seconds": seconds, "peak_before_mb": before["VmHWM"], "peak_after_mb": after["VmHWM"]}
+            raise SystemExit(f"the upload was not taken: {uploaded}")
+        upload = peak_mb(router.pid)["VmHWM"]
+        # A batch from it (no engine takes its lines: cancelled at once), then the file downloaded.
+        reset_peak(router.pid)
+        params = {"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        batch = json.loads(curl("-H", "Content-Type: application/json", "-d", json.dumps(params), base + "/batches"))
+        create = peak_mb(router.pid)["VmHWM"]
+        curl("-X", "POST", f"{base}/batches/{batch['id']}/cancel")
+        reset_peak(router.pid)
+        curl("-o", os.devnull, f"{base}/files/{uploaded['id']}/content")
+        download = peak_mb(router.pid)["VmHWM"]
+        return {
+            "upload_seconds": seconds,
+            "idle_peak_mb": idle,
+            "upload_peak_mb": upload,
+            "create_peak_mb": create,
+            "download_peak_mb": download,
+        }
     finally:
         router.terminate()
         router.wait(30)
@@ -118,8 +145,9 @@ def main() -> int:
     median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
     print(json.dumps({"specroute": args.specroute, "file_bytes": size, "runs": runs, "median": median}, indent=2))
     print(
-        f"median of {len(runs)}: a {size / 1e6:.1f} MB upload in {median['seconds']:.1f} s; router peak RSS "
-        f"{median['peak_before_mb']:.1f} MB before it, {median['peak_after_mb']:.1f} MB after"
+        f"median of {len(runs)}: a {size / 1e6:.1f} MB file uploaded in {median['upload_seconds']:.1f} s; "
+        f"router peak RSS: idle {median['idle_peak_mb']:.1f} MB, upload {median['upload_peak_mb']:.1f} MB, "
+        f"batch created from it {median['create_peak_mb']:.1f} MB, download {median['download_peak_mb']:.1f} MB"
     )
     return 0
 

@@ -207,6 +207,13 @@ async def test_an_upload_over_the_limit_is_413_before_it_is_all_sent(make_cluste
             "",  # a part header over python-multipart's limit
         ),
         (_multipart(_lines(1)).replace(b"batch\r\n", b"b" * 2000 + b"\r\n"), "over 1024 bytes"),
+        (  # headers each within python-multipart's line limit, too many bytes in all
+            _multipart(_lines(1)).replace(
+                b'name="purpose"\r\n',
+                b'name="purpose"\r\n' + b"".join(b"x-%d: " % i + b"a" * 3000 + b"\r\n" for i in range(3)),
+            ),
+            "headers are over 8192 bytes",
+        ),
     ],
 )
 async def test_a_malformed_or_truncated_multipart_body_is_400(make_cluster: MakeCluster, body: bytes, why: str) -> None:

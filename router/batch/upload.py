@@ -5,8 +5,8 @@ python-multipart's streaming parser (the one under Starlette's `request.form()`)
 multipart body chunk by chunk; its callbacks here write the file part to a temporary file the
 store gives (beside its data, not in a RAM-backed /tmp) and keep the few small fields in memory.
 Everything is bounded: the body by `max_file_bytes` plus room for the multipart framing, the
-file part by `max_file_bytes`, the other fields by count and size, the part headers by the
-parser itself, and the whole body by a time. A body that ends before its closing boundary is
+file part by `max_file_bytes`, the other fields by count and size, each part's headers by size,
+and the whole body by a time. A body that ends before its closing boundary is
 400: the parser alone would take it as complete.
 """
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 MULTIPART_OVERHEAD = 64 * 1024
 _MAX_PARTS = 8  # the file, `purpose`, and a few fields other clients send
 _MAX_FIELD_BYTES = 1024  # a field other than the file (`purpose`: a word)
+_MAX_HEADER_BYTES = 8 * 1024  # a part's headers in all (python-multipart bounds them only lately)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,7 @@ class _Parts:
     fields: dict[str, str] = field(default_factory=dict)
     ended: bool = False  # the closing boundary was read
     _parts: int = 0
+    _header_bytes: int = 0
     _header_name: bytearray = field(default_factory=bytearray)
     _header_value: bytearray = field(default_factory=bytearray)
     _disposition: bytes = b""
@@ -115,12 +117,20 @@ class _Parts:
             raise _malformed(f"more than {_MAX_PARTS} parts")
         self._disposition = b""
         self._in_file = False
+        self._header_bytes = 0
 
     def _header_field(self, data: bytes, start: int, end: int) -> None:
+        self._count_header(end - start)
         self._header_name += data[start:end]
 
     def _header_value_data(self, data: bytes, start: int, end: int) -> None:
+        self._count_header(end - start)
         self._header_value += data[start:end]
+
+    def _count_header(self, size: int) -> None:
+        self._header_bytes += size
+        if self._header_bytes > _MAX_HEADER_BYTES:
+            raise _malformed(f"a part's headers are over {_MAX_HEADER_BYTES} bytes")
 
     def _header_end(self) -> None:
         if self._header_name.lower() == b"content-disposition":
