@@ -4,10 +4,10 @@ makes a batch of it, and gives it back.
 
 Writes a JSONL batch file of about --mb megabytes (--lines requests, each with a long prompt),
 starts `specroute serve --config FILE` (its batch store in a fresh directory; no engine listens),
-and reads the router's peak RSS (VmHWM) once it is up, then the peak of each step on its own
-(the peak is reset before it): the file uploaded with curl (which streams it from disk, so the
-client's memory is not the question), a batch created from it (`POST /v1/batches`, then
-cancelled), the file downloaded (`GET /v1/files/{id}/content`). Each run is a new router process.
+and reads the router's peak RSS (VmHWM) once it is up, then the peak of a router process that
+did one step: the file uploaded with curl (which streams it from disk, so the client's memory is
+not the question); on the same store, a batch created from it (`POST /v1/batches`, then
+cancelled); the file downloaded (`GET /v1/files/{id}/content`).
 
     python scripts/bench_upload.py --specroute /path/to/.venv/bin/specroute --runs 3
 """
@@ -25,6 +25,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from loopback import free_port
@@ -61,11 +63,6 @@ def peak_mb(pid: int) -> dict[str, float]:
     return {name: int(fields[name].split()[0]) / 1024 for name in ("VmRSS", "VmHWM")}
 
 
-def reset_peak(pid: int) -> None:
-    """Start the process's peak RSS (VmHWM) again from its RSS now (Linux: clear_refs 5)."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
-
-
 def curl(*args: str) -> bytes:
     """curl's output; it streams a file from disk, so the client's memory is not the question."""
     command = ["curl", "-sS", "--fail-with-body", "--max-time", "600", "-H", "Authorization: Bearer bench", *args]
@@ -75,11 +72,26 @@ def curl(*args: str) -> bytes:
     return answer.stdout
 
 
+@contextmanager
+def router(specroute: str, config: Path, port: int) -> Iterator[int]:
+    """`specroute serve --config FILE`, up; its pid."""
+    process = subprocess.Popen([specroute, "serve", "--config", str(config), "--log-level", "error"])
+    try:
+        up(f"http://127.0.0.1:{port}/healthz", process)
+        yield process.pid
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
 def one_run(specroute: str, batch_file: Path, workdir: Path) -> dict[str, float]:
+    """Each step in a router of its own on the same store, so that what one step left allocated
+    (Python keeps memory it has freed) does not count in the next one's peak."""
     port = free_port()
+    base = f"http://127.0.0.1:{port}/v1"
     store = Path(tempfile.mkdtemp(dir=workdir, prefix="store-"))
     config = workdir / f"router-{port}.yaml"
-    unreachable = f"http://127.0.0.1:{free_port()}"  # nothing listens: uploads never reach an engine
+    unreachable = f"http://127.0.0.1:{free_port()}"  # nothing listens: no line is ever sent
     config.write_text(
         json.dumps(  # JSON is YAML
             {
@@ -92,12 +104,8 @@ def one_run(specroute: str, batch_file: Path, workdir: Path) -> dict[str, float]
             }
         )
     )
-    router = subprocess.Popen([specroute, "serve", "--config", str(config), "--log-level", "error"])
-    try:
-        up(f"http://127.0.0.1:{port}/healthz", router)
-        idle = peak_mb(router.pid)["VmHWM"]
-        base = f"http://127.0.0.1:{port}/v1"
-        reset_peak(router.pid)
+    with router(specroute, config, port) as pid:
+        idle = peak_mb(pid)["VmHWM"]
         started = time.monotonic()
         uploaded = json.loads(
             curl("-F", "purpose=batch", "-F", f"file=@{batch_file};type=application/jsonl", base + "/files")
@@ -105,26 +113,27 @@ def one_run(specroute: str, batch_file: Path, workdir: Path) -> dict[str, float]
         seconds = time.monotonic() - started
         if uploaded.get("bytes") != batch_file.stat().st_size:
             raise SystemExit(f"the upload was not taken: {uploaded}")
-        upload = peak_mb(router.pid)["VmHWM"]
-        # A batch from it (no engine takes its lines: cancelled at once), then the file downloaded.
-        reset_peak(router.pid)
+        upload = peak_mb(pid)["VmHWM"]
+    with router(specroute, config, port) as pid:
         params = {"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
         batch = json.loads(curl("-H", "Content-Type: application/json", "-d", json.dumps(params), base + "/batches"))
-        create = peak_mb(router.pid)["VmHWM"]
+        create = peak_mb(pid)["VmHWM"]
         curl("-X", "POST", f"{base}/batches/{batch['id']}/cancel")
-        reset_peak(router.pid)
+        deadline = time.monotonic() + 120  # its end written here, not in the next router
+        while json.loads(curl(f"{base}/batches/{batch['id']}"))["status"] != "cancelled":
+            if time.monotonic() > deadline:
+                raise SystemExit("the batch was not cancelled in time")
+            time.sleep(0.2)
+    with router(specroute, config, port) as pid:
         curl("-o", os.devnull, f"{base}/files/{uploaded['id']}/content")
-        download = peak_mb(router.pid)["VmHWM"]
-        return {
-            "upload_seconds": seconds,
-            "idle_peak_mb": idle,
-            "upload_peak_mb": upload,
-            "create_peak_mb": create,
-            "download_peak_mb": download,
-        }
-    finally:
-        router.terminate()
-        router.wait(30)
+        download = peak_mb(pid)["VmHWM"]
+    return {
+        "upload_seconds": seconds,
+        "idle_peak_mb": idle,
+        "upload_peak_mb": upload,
+        "create_peak_mb": create,
+        "download_peak_mb": download,
+    }
 
 
 def main() -> int:
