@@ -303,3 +303,19 @@ async def test_a_download_is_whole_though_the_file_is_deleted_meanwhile_and_leav
         await client.files.delete(again.id)
         await client.close()
         await _nothing_left(cluster)
+
+
+@pytest.mark.anyio
+async def test_uploads_at_once_each_keep_their_own_content(make_cluster: MakeCluster) -> None:
+    with make_cluster() as cluster:
+        client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=60)
+        contents = [_lines(200 + i, prefix=f"u{i}") for i in range(8)]
+        uploaded = await asyncio.gather(
+            *(client.files.create(file=(f"u{i}.jsonl", content), purpose="batch") for i, content in enumerate(contents))
+        )
+        for file, content in zip(uploaded, contents, strict=True):
+            assert file.bytes == len(content)
+            assert (await client.files.content(file.id)).content == content
+            await client.files.delete(file.id)
+        await client.close()
+        await _nothing_left(cluster)

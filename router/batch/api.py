@@ -93,7 +93,7 @@ class _Api:
             except StorageFull as exc:
                 raise PayloadTooLarge(f"no room for the file: {exc}", param="file", code="storage_full") from exc
         finally:
-            await anyio.to_thread.run_sync(spool.close)  # and so it is gone: it never had a name
+            await _discard(spool)
         return JSONResponse(_file(record))
 
     def _check(self, content: IO[bytes]) -> None:
@@ -221,13 +221,13 @@ class _Api:
             lines = () if errors else ((r.custom_id, r.url, r.body) for r in self._parse(spool))
             await anyio.to_thread.run_sync(self._service.store.create_batch, record, lines)
         finally:
-            await anyio.to_thread.run_sync(spool.close)
+            await _discard(spool)
         self._service.runner.wake()
         return JSONResponse(_batch(record))
 
     def _survey(self, content: IO[bytes], endpoint: str) -> tuple[int, str | None, list[dict[str, Any]]]:
-        """An input file's requests, the first model named, and (at most 100) lines whose url is
-        not the batch's endpoint."""
+        """How many requests an input file has, the first model it names, and (at most 100) lines
+        whose url is not the batch's endpoint."""
         content.seek(0)
         total, model = 0, None
         errors: list[dict[str, Any]] = []
@@ -275,6 +275,13 @@ class _Api:
         cancelled = await anyio.to_thread.run_sync(self._service.store.cancel, owner, record.id, self._service.now())
         self._service.runner.wake()
         return JSONResponse(_batch(cancelled or record))
+
+
+async def _discard(file: IO[bytes]) -> None:
+    """Close a temporary file, and so remove it (it never had a name), even in a request being
+    cancelled."""
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(file.close)
 
 
 async def _chunks(file: IO[bytes]) -> AsyncIterator[bytes]:

@@ -227,7 +227,7 @@ class SqliteStore:
     def temporary_file(self) -> IO[bytes]:
         """An unnamed file in the store's directory, for an upload on its way in: on the store's
         disk rather than a /tmp that may be memory, and gone when closed, or when the process dies
-        (O_TMPFILE), so nothing is ever left to clean up."""
+        (Linux's O_TMPFILE; elsewhere its name is removed as it is made): nothing is left to clean up."""
         return tempfile.TemporaryFile(dir=self.path.parent)
 
     def add_file(self, record: FileRecord, content: IO[bytes], *, limit: int) -> None:
