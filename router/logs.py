@@ -25,6 +25,9 @@ def configure(level: str, fmt: LogFormat) -> None:
     root.setLevel(level.upper())
     # httpx logs every request it sends at INFO: health probes and upstream calls are not news.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # python-multipart warns of each malformed upload, which the client's 400 already says: a
+    # hostile client must not be able to fill the router's log.
+    logging.getLogger("python_multipart").setLevel(logging.ERROR)
 
 
 def _utc(record: logging.LogRecord) -> str:
