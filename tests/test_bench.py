@@ -32,6 +32,8 @@ def test_sweep_measures_delivered_tokens_and_fits_a_profile() -> None:
     for r in rounds:
         assert r.summary.errors == 0
         assert r.summary.tokens == 96 * r.users  # fixed-length answers, counted from usage
+    if busy := too_busy_to_time():  # speeds read off the wall clock: a stalled reader sees a whole answer at once
+        pytest.skip(busy)
     one, four, sixteen = (r.summary for r in rounds)
     assert one.per_user_tps and four.per_user_tps and sixteen.per_user_tps
     assert one.per_user_tps > sixteen.per_user_tps  # more users, slower each
