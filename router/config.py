@@ -275,11 +275,18 @@ class Batch(_Model):
     """The Batch API (`/v1/files`, `/v1/batches`): where its state lives and how hard it may push."""
 
     # false: no /v1/files or /v1/batches of the router's own (they are forwarded like any POST).
-    # Read once at start, as is store_dir.
+    # Read once at start, as are the store settings below.
     enabled: bool = True
-    # SQLite database (WAL) holding the files, batches and every line's result; relative to the
-    # working directory. Read once at start: changing it needs a restart.
+    # Where files, batches and every line's result live: `sqlite`, a database file in store_dir
+    # (one replica, or several on one host), or `postgres`, one database server that several
+    # replicas share. Read once at start: changing it needs a restart.
+    store: Literal["sqlite", "postgres"] = "sqlite"
+    # The SQLite database's directory (relative to the working directory); with either store,
+    # where an upload waits, unnamed, while it is checked.
     store_dir: str = "specroute-batches"
+    # With `store: postgres`: the name of the environment variable holding the connection string
+    # (`postgresql://user:password@host/db` or `host=... dbname=...`), never the string itself.
+    postgres_dsn_env: str | None = None
     # An uploaded file larger than this is refused (413 file_too_large); OpenAI allows 200 MB. At
     # most 10^9: SQLite's largest value (SQLITE_MAX_LENGTH), and the store keeps a file as one.
     max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1, le=1_000_000_000)
@@ -306,6 +313,15 @@ class Batch(_Model):
     # most this many times in all; then its last answer is recorded (in the error file).
     max_attempts: int = Field(default=5, ge=1)
     retry_backoff: float = Field(default=1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _postgres_needs_its_dsn(self) -> Batch:
+        if self.store == "postgres" and not self.postgres_dsn_env:
+            raise ValueError("store postgres needs postgres_dsn_env: the environment variable holding its DSN")
+        return self
+
+    def postgres_dsn(self) -> str | None:
+        return os.environ.get(self.postgres_dsn_env) if self.postgres_dsn_env else None
 
 
 class Settings(BaseSettings):
@@ -415,6 +431,9 @@ def masked(settings: Settings) -> dict[str, Any]:
         if env:
             count = len([k for k in os.environ.get(env, "").split(",") if k.strip()])
             data["auth"][field] = f"{env} ({count} keys)"
+    env = data["batch"]["postgres_dsn_env"]
+    if env:
+        data["batch"]["postgres_dsn_env"] = f"{env} ({'set' if os.environ.get(env) else 'NOT SET'})"
     for rule in data["classify"]["rules"]:
         if rule["match"]["api_key"] is not None:
             rule["match"]["api_key"] = "***"

@@ -44,6 +44,8 @@ _NEEDS_RESTART = (
     "limits.request_headers",
     "limits.max_connections",
     "batch.store_dir",
+    "batch.store",
+    "batch.postgres_dsn_env",
     "batch.enabled",
 )
 

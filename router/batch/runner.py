@@ -102,7 +102,10 @@ class Runner:
         finally:
             # Stopped (shutdown): lines taken and not answered go back at once, not after their lease.
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._store.release, self.owner)
+                try:
+                    await anyio.to_thread.run_sync(self._store.release, self.owner)
+                except Exception:  # the store failed: the leases lapse instead
+                    logger.exception("batch runner: leases not given back")
 
     async def _renew_leases(self) -> None:
         while True:

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("specroute.batch")
 
+_REOPEN_SECONDS = 5.0  # how often a store that could not be opened is tried again
+
 
 class BatchService:
     def __init__(self, router: Router, *, clock: Callable[[], float]) -> None:
@@ -35,7 +37,8 @@ class BatchService:
         self._store: Store | None = None
         self._runner: Runner | None = None
         self._task: asyncio.Task[None] | None = None
-        self._enabled = router.settings.batch.enabled  # read once, like the store's directory
+        self._enabled = router.settings.batch.enabled  # read once, like the store's settings
+        self._settings = router.settings.batch
         self._unavailable: str | None = None  # why the store could not be opened
 
     @property
@@ -65,20 +68,52 @@ class BatchService:
 
     async def start(self) -> None:
         """Open the store and run every batch left unfinished, by this router or a previous one.
-        A store that cannot be opened leaves the router serving live traffic, and the Batch API
-        answering 503 `batch_store_unavailable`."""
+        While the store cannot be opened (a database not up yet), the router serves live traffic,
+        the Batch API answers 503 `batch_store_unavailable`, and the store is tried again every
+        `_REOPEN_SECONDS`."""
         if not self._enabled:
             return
-        directory = self.config.store_dir  # read once: a reload cannot move the store
+        opened = await self._open()
+        self._task = asyncio.create_task(self._run(opened))
+
+    async def _open(self) -> bool:
         try:
-            self._store = await anyio.to_thread.run_sync(SqliteStore, directory)
-        except (OSError, sqlite3.Error, RuntimeError) as exc:
-            self._unavailable = f"{directory}: {exc}"
-            logger.error("batch store not opened, the Batch API answers 503 (batch.store_dir): %s", self._unavailable)
-            return
+            self._store = await anyio.to_thread.run_sync(self._connect)
+        except (OSError, sqlite3.Error, RuntimeError, NoBackendAvailable) as exc:
+            self._unavailable = f"{self._where()}: {exc}"
+            logger.error("batch store not opened, the Batch API answers 503: %s", self._unavailable)
+            return False
+        self._unavailable = None
         self._runner = runner = Runner(self.router, self._store, self.metrics, clock=self._clock)
         self.metrics.in_flight = lambda: runner.in_flight
-        self._task = asyncio.create_task(runner.run())
+        return True
+
+    async def _run(self, opened: bool) -> None:
+        while not opened:
+            await anyio.sleep(_REOPEN_SECONDS)
+            opened = await self._open()
+        await self.runner.run()
+
+    def _connect(self) -> Store:
+        config = self._settings  # as the router started: a reload cannot move the store
+        if config.store == "sqlite":
+            return SqliteStore(config.store_dir)
+        dsn = config.postgres_dsn()
+        if not dsn:
+            raise RuntimeError(f"${config.postgres_dsn_env} (batch.postgres_dsn_env) is not set")
+        try:
+            # The driver is an extra, loaded only when this store is configured.
+            from router.batch.postgres import PostgresStore
+        except ImportError as exc:
+            raise RuntimeError(f"{exc}: install the driver with pip install 'specroute[postgres]'") from exc
+        return PostgresStore(dsn, spool_dir=config.store_dir, clock=self._clock)
+
+    def _where(self) -> str:
+        """The store, named for the status page and the log: never the DSN (it may hold a password)."""
+        config = self._settings
+        if config.store == "sqlite":
+            return str(SqliteStore.file(config.store_dir))
+        return f"postgres (DSN in ${config.postgres_dsn_env})"
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -93,7 +128,7 @@ class BatchService:
         runner = self._runner
         return {
             "enabled": self._enabled,
-            "store": str(getattr(self._store, "path", None)) if self._store is not None else None,
+            "store": self._where() if self._store is not None else None,
             "store_error": self._unavailable,
             "by_status": self.metrics.by_status,
             "concurrency_limit": runner.limit if runner else 0,

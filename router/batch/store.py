@@ -6,9 +6,8 @@ on one store), it is answered once in the output. Lines are taken under a lease 
 so two routers on one database file do not start the same line while its lease holds, and the
 lines of a router that died are taken again once their lease runs out.
 
-For several replicas on several hosts, the same interface maps onto PostgreSQL: `claim` is
-`UPDATE ... WHERE (batch_id, idx) IN (SELECT ... FOR UPDATE SKIP LOCKED LIMIT n)`; nothing else
-changes. Every method blocks: call it from a worker thread (`anyio.to_thread.run_sync`).
+For replicas on several hosts, `PostgresStore` (postgres.py) keeps the same promises on a
+database server. Every method blocks: call it from a worker thread (`anyio.to_thread.run_sync`).
 """
 
 from __future__ import annotations
@@ -96,7 +95,7 @@ CREATE INDEX IF NOT EXISTS lines_pending ON lines (batch_id, done, lease_until);
 
 _COPY_CHUNK = 1024 * 1024  # files go into and out of the database this much at a time
 
-_BATCH_COLUMNS = (
+BATCH_COLUMNS = (
     "id, owner, status, endpoint, input_file_id, completion_window, model, metadata, errors, created_at, "
     "expires_at, in_progress_at, finalizing_at, completed_at, failed_at, expired_at, cancelling_at, "
     "cancelled_at, output_file_id, error_file_id, total, completed, failed"
@@ -157,7 +156,8 @@ class StorageFull(Exception):
 
 
 class Store(Protocol):
-    """What the Batch API needs of a store; `SqliteStore` is the embedded one."""
+    """What the Batch API needs of a store: `SqliteStore` is the embedded one, `PostgresStore`
+    (postgres.py) the one that replicas share."""
 
     def temporary_file(self) -> IO[bytes]: ...
     def add_file(self, record: FileRecord, content: IO[bytes], *, limit: int) -> None: ...
@@ -190,9 +190,8 @@ class SqliteStore:
     def __init__(self, directory: str | Path) -> None:
         if sqlite3.sqlite_version_info < (3, 35):
             raise RuntimeError(f"the batch store needs SQLite 3.35 or later (RETURNING), not {sqlite3.sqlite_version}")
-        path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
-        self.path = path / "batches.sqlite3"
+        self.path = self.file(directory)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         # One connection, used by one worker thread at a time; transactions are explicit.
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
         self._lock = threading.Lock()
@@ -201,6 +200,11 @@ class SqliteStore:
         for statement in _SCHEMA.split(";"):
             if statement.strip():
                 self._db.execute(statement)
+
+    @staticmethod
+    def file(directory: str | Path) -> Path:
+        """The database file in `directory`."""
+        return Path(directory) / "batches.sqlite3"
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -312,32 +316,8 @@ class SqliteStore:
         one at a time: it may read them from a file as they go in (holding the store meanwhile)."""
         with self._tx() as db:
             db.execute(
-                f"INSERT INTO batches ({_BATCH_COLUMNS}) VALUES ({', '.join('?' * 23)})",
-                (
-                    record.id,
-                    record.owner,
-                    record.status,
-                    record.endpoint,
-                    record.input_file_id,
-                    record.completion_window,
-                    record.model,
-                    json.dumps(record.metadata) if record.metadata is not None else None,
-                    json.dumps(record.errors) if record.errors is not None else None,
-                    record.created_at,
-                    record.expires_at,
-                    record.in_progress_at,
-                    record.finalizing_at,
-                    record.completed_at,
-                    record.failed_at,
-                    record.expired_at,
-                    record.cancelling_at,
-                    record.cancelled_at,
-                    record.output_file_id,
-                    record.error_file_id,
-                    record.total,
-                    record.completed,
-                    record.failed,
-                ),
+                f"INSERT INTO batches ({BATCH_COLUMNS}) VALUES ({', '.join('?' * 23)})",
+                batch_values(record),
             )
             db.executemany(
                 "INSERT INTO lines (batch_id, idx, custom_id, url, body) VALUES (?, ?, ?, ?, ?)",
@@ -345,18 +325,18 @@ class SqliteStore:
             )
 
     def get_batch(self, owner: str, batch_id: str) -> BatchRecord | None:
-        rows = self._read(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ? AND owner = ?", batch_id, owner)
-        return _batch(rows[0]) if rows else None
+        rows = self._read(f"SELECT {BATCH_COLUMNS} FROM batches WHERE id = ? AND owner = ?", batch_id, owner)
+        return batch_record(rows[0]) if rows else None
 
     def list_batches(self, owner: str, *, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
         """Newest first; `after` is the last id of the previous page."""
-        sql = f"SELECT {_BATCH_COLUMNS} FROM batches WHERE owner = ?"
+        sql = f"SELECT {BATCH_COLUMNS} FROM batches WHERE owner = ?"
         args: list[Any] = [owner]
         if after is not None:
             sql += " AND seq < COALESCE((SELECT seq FROM batches WHERE id = ? AND owner = ?), -1)"
             args += [after, owner]
         rows = self._read(f"{sql} ORDER BY seq DESC LIMIT ?", *args, limit + 1)
-        return [_batch(row) for row in rows[:limit]], len(rows) > limit
+        return [batch_record(row) for row in rows[:limit]], len(rows) > limit
 
     def cancel(self, owner: str, batch_id: str, now: int) -> BatchRecord | None:
         with self._tx() as db:
@@ -369,8 +349,8 @@ class SqliteStore:
 
     def active(self) -> list[BatchRecord]:
         marks = ", ".join("?" * len(ACTIVE))
-        rows = self._read(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE status IN ({marks}) ORDER BY seq", *ACTIVE)
-        return [_batch(row) for row in rows]
+        rows = self._read(f"SELECT {BATCH_COLUMNS} FROM batches WHERE status IN ({marks}) ORDER BY seq", *ACTIVE)
+        return [batch_record(row) for row in rows]
 
     def set_status(self, batch_id: str, status: BatchStatus, now: int, *, before: tuple[BatchStatus, ...]) -> None:
         """Move a batch to `status` (stamping `<status>_at`) if it is in one of `before`."""
@@ -449,7 +429,6 @@ class SqliteStore:
             output: list[str] = []
             errors: list[str] = []
             unanswered = 0
-            code = "batch_expired" if status == "expired" else "batch_cancelled"
             for custom_id, done, failed, result in db.execute(
                 "SELECT custom_id, done, failed, result FROM lines WHERE batch_id = ? ORDER BY idx", (batch_id,)
             ):
@@ -457,20 +436,7 @@ class SqliteStore:
                     (errors if failed else output).append(result)
                     continue
                 unanswered += 1
-                message = "This request could not be executed before the completion window expired."
-                if status == "cancelled":
-                    message = "This request was not executed because the batch was cancelled."
-                errors.append(
-                    json.dumps(
-                        {
-                            "id": f"batch_req_{uuid.uuid4().hex}",
-                            "custom_id": custom_id,
-                            "response": None,
-                            "error": {"code": code, "message": message},
-                        },
-                        separators=(",", ":"),
-                    )
-                )
+                errors.append(unanswered_line(custom_id, status))
             file_ids: dict[str, str | None] = {"output": None, "error": None}
             for kind, lines, file_id in (("output", output, output_id), ("error", errors, error_id)):
                 if not lines:
@@ -492,7 +458,46 @@ class SqliteStore:
         return {status: count for status, count in self._read("SELECT status, COUNT(*) FROM batches GROUP BY status")}
 
 
-def _batch(row: tuple[Any, ...]) -> BatchRecord:
+def unanswered_line(custom_id: str, status: BatchStatus) -> str:
+    """The error file's line for a request never run: the batch expired or was cancelled first."""
+    code, message = "batch_cancelled", "This request was not executed because the batch was cancelled."
+    if status == "expired":
+        code, message = "batch_expired", "This request could not be executed before the completion window expired."
+    error = {"code": code, "message": message}
+    line = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None, "error": error}
+    return json.dumps(line, separators=(",", ":"))
+
+
+def batch_values(record: BatchRecord) -> tuple[Any, ...]:
+    """The record as a row of `BATCH_COLUMNS`."""
+    return (
+        record.id,
+        record.owner,
+        record.status,
+        record.endpoint,
+        record.input_file_id,
+        record.completion_window,
+        record.model,
+        json.dumps(record.metadata) if record.metadata is not None else None,
+        json.dumps(record.errors) if record.errors is not None else None,
+        record.created_at,
+        record.expires_at,
+        record.in_progress_at,
+        record.finalizing_at,
+        record.completed_at,
+        record.failed_at,
+        record.expired_at,
+        record.cancelling_at,
+        record.cancelled_at,
+        record.output_file_id,
+        record.error_file_id,
+        record.total,
+        record.completed,
+        record.failed,
+    )
+
+
+def batch_record(row: tuple[Any, ...]) -> BatchRecord:
     values = list(row)
     values[7] = json.loads(values[7]) if values[7] is not None else None
     values[8] = json.loads(values[8]) if values[8] is not None else None
