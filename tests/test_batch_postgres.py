@@ -227,14 +227,21 @@ class _Relay:
 
         self._run(start())
 
-    def close(self) -> None:
+    def cut(self) -> None:
+        """Stop listening and drop every connection, as a network failure does."""
+
         async def stop() -> None:
             if self._server is not None:
                 self._server.close()
+                await self._server.wait_closed()
             for writer in self._writers:
                 writer.close()
+            self._writers.clear()
 
         self._run(stop())
+
+    def close(self) -> None:
+        self.cut()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
@@ -248,7 +255,9 @@ def test_a_database_out_of_reach_is_503_and_live_traffic_is_served(
 ) -> None:
     """Nothing listens where the DSN points: the Batch API answers 503 (OpenAI's shape), the
     router stays ready and serves live requests, and once the database can be reached, the store
-    opens by itself. The password is in no answer and no log line."""
+    opens by itself. Then the database goes out of reach in the middle of a batch: 503 again, and
+    once it is back the batch completes, each line answered once. The password is in no answer
+    and no log line."""
     database = "t_" + uuid.uuid4().hex[:12]
     postgres.database(database)
     relay = _Relay(postgres.port)
@@ -256,7 +265,7 @@ def test_a_database_out_of_reach_is_503_and_live_traffic_is_served(
     monkeypatch.setenv(DSN_ENV, postgres.dsn(database, port=port))
     caplog.set_level(logging.DEBUG)
     try:
-        with make_cluster(batch=_store()) as cluster:
+        with make_cluster(batch=_store(lease_seconds=1.0, max_concurrency=2)) as cluster:
             answer = httpx.get(cluster.base_url + "/batches")
             assert answer.status_code == 503 and answer.headers["retry-after"]
             error = answer.json()["error"]
@@ -269,16 +278,28 @@ def test_a_database_out_of_reach_is_503_and_live_traffic_is_served(
 
             relay.open(port)  # the database comes within reach: the store opens on its own
             uploaded = wait_until(
-                lambda: _try(lambda: client.files.create(file=("a.jsonl", _lines(3)), purpose="batch")),
+                lambda: _try(lambda: client.files.create(file=("a.jsonl", _lines(20)), purpose="batch")),
                 timeout=30,
                 interval=0.2,
                 message="the store opened",
             )
+            cluster.team.token_delay = 0.05  # 0.2 s a line, two at a time
             batch = client.batches.create(
                 input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
             )
-            assert _finished(client, batch.id).status == "completed"
-            texts = [answer.text, json.dumps(status)]
+            wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2)  # type: ignore[union-attr]
+            relay.cut()
+            with pytest.raises(openai.APIStatusError) as caught:
+                client.batches.retrieve(batch.id)
+            assert caught.value.status_code == 503 and caught.value.code == "batch_store_unavailable"
+            assert client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
+            relay.open(port)
+            done = _finished(client, batch.id, timeout=60)
+            assert done.status == "completed" and done.request_counts is not None
+            assert (done.request_counts.completed, done.request_counts.failed) == (20, 0)
+            output = _jsonl(client.files.content(done.output_file_id).content)
+            assert sorted(row["custom_id"] for row in output) == sorted(f"r-{i}" for i in range(20))
+            texts = [answer.text, json.dumps(status), caught.value.response.text]
     finally:
         relay.close()
     assert all(PASSWORD not in text for text in texts)

@@ -28,6 +28,9 @@ DECISIONS = ("router.classify", "router.policy")
 # The tools and what only they need; the router's core never loads them.
 TOOLS = ("router.sim", "router.bench", "router.demo", "numpy", "matplotlib", "rich", "httpx")
 COMPOSERS = ("router.cli", "router.demo")  # they put router and tools together, as their job
+# The PostgreSQL driver (the extra specroute[postgres]): the Batch API's PostgreSQL store alone
+# uses it, and it is loaded only when that store is configured.
+DRIVERS = ("psycopg", "psycopg_pool")
 
 
 def _name(path: Path) -> str:
@@ -89,6 +92,17 @@ def test_the_router_core_never_imports_the_tools(module: str) -> None:
     assert {name for name in _imports(module) if _under(name, TOOLS)} == set()
 
 
+@pytest.mark.parametrize("module", [m for m in MODULES if m != "router.batch.postgres"])
+def test_only_the_postgres_store_imports_its_driver(module: str) -> None:
+    assert {name for name in _imports(module) if _under(name, DRIVERS)} == set()
+
+
+def test_the_postgres_store_is_imported_only_where_it_is_chosen() -> None:
+    importers = {m for m in MODULES if "router.batch.postgres" in set(_imports(m, top_level_only=True))}
+    assert importers == set()  # service.py imports it inside the function that opens the store
+    assert "router.batch.postgres" in set(_imports("router.batch.service"))
+
+
 def test_the_cli_imports_a_subcommand_only_when_it_runs() -> None:
     heavy = (*TOOLS, "router.app", "uvicorn")
     assert {name for name in _imports("router.cli", top_level_only=True) if _under(name, heavy)} == set()
@@ -113,7 +127,7 @@ def test_serving_and_checking_a_config_load_no_tool(tmp_path: Path) -> None:
         ("import router.app, router.server, router.cli", ()),
     ):
         loaded = _loaded_after(code)
-        assert {name for name in loaded if _under(name, (*TOOLS, *not_needed))} == set(), code
+        assert {name for name in loaded if _under(name, (*TOOLS, *DRIVERS, *not_needed))} == set(), code
 
 
 def test_bench_without_the_tools_says_how_to_install_them() -> None:

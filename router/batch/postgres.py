@@ -126,7 +126,7 @@ class PostgresStore:
         spool_dir: str | Path,
         clock: Callable[[], float],
         connections: int = 8,
-        timeout: float = 10.0,
+        timeout: float = 5.0,
     ) -> None:
         try:
             options = conninfo_to_dict(dsn)
@@ -457,6 +457,6 @@ def _translated() -> Iterator[None]:
         logger.warning("batch store: PostgreSQL not reachable: %s", exc)
         raise NoBackendAvailable(
             "the batch store (PostgreSQL) cannot be reached; try again later",
-            retry_after=10,
+            retry_after=5,
             code="batch_store_unavailable",
         ) from exc
