@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import io
 import json
 import logging
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -25,6 +27,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from router.batch.postgres import PostgresStore
+from router.batch.store import BatchRecord, FileRecord, SqliteStore, StorageFull, Store
 from router.cli import main as cli
 from router.config import Settings
 from tests.conftest import Cluster, settings_data
@@ -343,3 +347,111 @@ def test_the_dsn_is_never_shown(
 def test_the_postgres_store_needs_its_dsn_env() -> None:
     with pytest.raises(ValidationError, match="postgres_dsn_env"):
         Settings(**settings_data("http://127.0.0.1:9", "http://127.0.0.1:9", batch={"store": "postgres"}))
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Store, Store]]:
+    """Two handles on one store, as two routers have: one SQLite file, or one PostgreSQL database."""
+    if request.param == "sqlite":
+        pair: tuple[Store, Store] = (SqliteStore(tmp_path), SqliteStore(tmp_path))
+    else:
+        url = request.getfixturevalue("postgres").database("t_" + uuid.uuid4().hex[:12])
+        pair = (
+            PostgresStore(url, spool_dir=tmp_path, clock=time.time),
+            PostgresStore(url, spool_dir=tmp_path, clock=time.time),
+        )
+    yield pair
+    for store in pair:
+        store.close()
+
+
+def _batch_record(batch_id: str, total: int) -> BatchRecord:
+    now = int(time.time())
+    return BatchRecord(
+        id=batch_id, owner="o", status="in_progress", endpoint="/v1/chat/completions", input_file_id="file-in",
+        completion_window="24h", model=None, metadata=None, errors=None, created_at=now, expires_at=now + 3600,
+        total=total,
+    )  # fmt: skip
+
+
+def test_both_stores_keep_the_same_promises(stores: tuple[Store, Store]) -> None:
+    """The store interface, on SQLite and on PostgreSQL alike: a line is held by one router at a
+    time, taken over once its lease lapses, recorded once; files come back whole."""
+    first, second = stores
+    first.create_batch(_batch_record("b1", 10), ((f"c{i}", "/v1/chat/completions", "{}") for i in range(10)))
+    now = time.time()
+    taken = first.claim("b1", "A", 4, now=now, until=now + 60)
+    other = second.claim("b1", "B", 10, now=now, until=now + 0.5)
+    assert [line.idx for line in taken] == [0, 1, 2, 3] and [line.idx for line in other] == list(range(4, 10))
+    assert not first.claim("b1", "C", 10, now=now, until=now + 60)  # every line is held
+    # B's leases lapse (it died): its lines are taken again, A's are not.
+    again = wait_until(
+        lambda: first.claim("b1", "C", 10, now=time.time(), until=time.time() + 60), message="B's leases lapsed"
+    )
+    assert [line.idx for line in again] == list(range(4, 10))
+    # Each line is recorded once, whoever answers it; a line answered twice is recorded once.
+    assert all(first.record(line, {"line": line.custom_id}, failed=False) for line in taken)
+    assert [second.record(line, {"line": line.custom_id}, failed=line.idx == 9) for line in other] == [True] * 6
+    assert not any(first.record(line, {"again": True}, failed=False) for line in again)
+    assert first.pending("b1") == 0
+    first.finish("b1", "completed", int(now), output_id="file-out", error_id="file-err")
+    second.finish("b1", "completed", int(now), output_id="file-out2", error_id="file-err2")  # already done
+    done = second.get_batch("o", "b1")
+    assert done is not None and (done.status, done.completed, done.failed) == ("completed", 9, 1)
+    assert (done.output_file_id, done.error_file_id) == ("file-out", "file-err")
+    out = io.BytesIO()
+    assert second.copy_file("o", "file-out", out)
+    assert [json.loads(row)["line"] for row in out.getvalue().splitlines()] == [f"c{i}" for i in range(9)]
+    # A file comes back byte for byte; over the storage limit, nothing is kept.
+    content = bytes(range(256)) * 9000  # 2.3 MB: three chunks in PostgreSQL
+    first.add_file(FileRecord("file-x", "o", "x.jsonl", "batch", len(content), 1), io.BytesIO(content), limit=10**9)
+    copy = io.BytesIO()
+    assert second.copy_file("o", "file-x", copy) and copy.getvalue() == content
+    assert not second.copy_file("someone-else", "file-x", io.BytesIO())
+    with pytest.raises(StorageFull):
+        first.add_file(
+            FileRecord("file-y", "o", "y", "batch", len(content), 2), io.BytesIO(content), limit=len(content)
+        )
+    assert second.get_file("o", "file-y") is None
+    assert second.delete_file("o", "file-x") and not second.copy_file("o", "file-x", io.BytesIO())
+
+
+def test_a_line_put_back_waits_and_a_released_line_is_taken_at_once(stores: tuple[Store, Store]) -> None:
+    first, second = stores
+    first.create_batch(_batch_record("b2", 2), ((f"c{i}", "/v1/chat/completions", "{}") for i in range(2)))
+    now = time.time()
+    one, _ = first.claim("b2", "A", 2, now=now, until=now + 60)
+    first.retry_later(one, time.time() + 0.3)
+    first.release("A")  # a graceful stop: the line A still held goes back now, not after its lease
+    assert [line.idx for line in second.claim("b2", "B", 2, now=time.time(), until=time.time() + 60)] == [1]
+    retried = wait_until(
+        lambda: second.claim("b2", "B", 2, now=time.time(), until=time.time() + 60), message="the backoff ran out"
+    )
+    assert [(line.idx, line.attempts) for line in retried] == [(0, 1)]
+    second.renew("B", [("b2", 0)], time.time() + 60)
+    assert not first.claim("b2", "A", 2, now=time.time(), until=time.time() + 60)
+
+
+def test_routers_claiming_at_once_never_take_the_same_line(stores: tuple[Store, Store]) -> None:
+    first, second = stores
+    first.create_batch(_batch_record("b3", 300), ((f"c{i}", "/v1/chat/completions", "{}") for i in range(300)))
+    taken: dict[str, list[int]] = {"A": [], "B": []}
+    together = threading.Barrier(2, timeout=30)  # each round, both claim at the same moment
+
+    def take(store: Store, owner: str) -> None:
+        while True:
+            with contextlib.suppress(threading.BrokenBarrierError):  # the other is done: go on alone
+                together.wait()
+            lines = store.claim("b3", owner, 3, now=time.time(), until=time.time() + 600)
+            if not lines:
+                together.abort()
+                return
+            taken[owner] += [line.idx for line in lines]
+
+    threads = [threading.Thread(target=take, args=pair) for pair in ((first, "A"), (second, "B"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(taken["A"] + taken["B"]) == list(range(300))  # every line once, by one of them
+    assert taken["A"] and taken["B"]
