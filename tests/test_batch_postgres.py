@@ -455,3 +455,25 @@ def test_routers_claiming_at_once_never_take_the_same_line(stores: tuple[Store, 
         thread.join(timeout=60)
     assert sorted(taken["A"] + taken["B"]) == list(range(300))  # every line once, by one of them
     assert taken["A"] and taken["B"]
+
+
+def test_a_database_that_refuses_the_tables_leaves_the_router_serving(
+    postgres: PostgresServer,
+    monkeypatch: pytest.MonkeyPatch,
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+) -> None:
+    """A role without the right to create tables (PostgreSQL 15 gives none on `public`): the
+    router starts and serves live traffic, the Batch API answers 503 saying why."""
+    database = "t_" + uuid.uuid4().hex[:12]
+    postgres.database(database)
+    role = "reader_" + uuid.uuid4().hex[:8]
+    with psycopg.connect(postgres.dsn(), autocommit=True) as db:
+        db.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'reader-secret'")
+    monkeypatch.setenv(DSN_ENV, f"postgresql://{role}:reader-secret@127.0.0.1:{postgres.port}/{database}")
+    with make_cluster(batch=_store()) as cluster:
+        answer = httpx.get(cluster.base_url + "/batches")
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "batch_store_unavailable"
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        assert client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
+        status = httpx.get(cluster.router.url + "/router/status").json()["batches"]
+        assert "tables could not be made" in status["store_error"] and "permission denied" in status["store_error"]

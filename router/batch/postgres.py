@@ -142,11 +142,14 @@ class PostgresStore:
         self._clock = clock
         # The tables first, on a connection of its own: a database out of reach fails here at
         # once, rather than after the pool's retries.
-        with _translated(), psycopg.connect(dsn) as db:
-            db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
+        try:
+            with _translated(), psycopg.connect(dsn) as db:
+                db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+        except psycopg.Error as exc:  # reached, but refused: no right to create tables, say
+            raise RuntimeError(f"the batch store's tables could not be made: {exc}") from exc
         # A connection is checked as it is handed out, so one broken by a database restart is
         # replaced rather than failing the request that drew it.
         self._pool = ConnectionPool(
