@@ -47,6 +47,7 @@ from router.pools import Backend, Clients, Pools
 from router.transport import (
     ConnectError,
     HeadLimits,
+    NotSent,
     ReadTimeout,
     Response,
     Timeouts,
@@ -67,6 +68,10 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # Upstream answers that mean "not now, try elsewhere" (RFC 9110 §15.6), retried before the first byte.
 _RETRYABLE_STATUS = frozenset({502, 503, 504})
+# Requests sent again to the same backend when the engine had closed the pooled connection before
+# any byte was written (NotSent). Each such attempt discards one closed connection; more in a
+# row mean the engine closes connections as they open, a failure like any other.
+_NOT_SENT_RESENDS = 3
 
 
 class ClientGone(Exception):
@@ -321,16 +326,9 @@ class Proxy:
             api_key=backend.api_key,
             forward_authorization=self._settings.forward_client_authorization,
         )
-        timeouts, limits = self._settings.timeouts, self._settings.limits
+        limits = self._settings.limits
         try:
-            response = await self._transport.request(
-                backend.url,
-                call.target,
-                headers=headers,
-                body=body,
-                timeouts=Timeouts(connect=timeouts.connect, read=timeouts.read, idle=timeouts.idle),
-                limits=HeadLimits(head_bytes=limits.response_head_bytes, headers=limits.response_headers),
-            )
+            response = await self._send(backend, call.target, headers, body)
         except TransportError as exc:
             self._failed(backend, exc, may_retry=may_retry)
         try:
@@ -357,6 +355,29 @@ class Proxy:
             await self._relay_whole(send, response, content, content_type, call)
         finally:
             await response.aclose()
+
+    async def _send(self, backend: Backend, target: str, headers: list[tuple[str, str]], body: bytes) -> Response:
+        """The request to `backend`, until its response head. One the transport could not write at
+        all (NotSent: the engine had closed the pooled connection first) goes to the same backend
+        again at once, pinned or not and outside the retry budget: the engine never saw it. Each
+        is counted in `specroute_retries_total` (reason `not_sent`)."""
+        timeouts, limits = self._settings.timeouts, self._settings.limits
+        resends = 0
+        while True:
+            try:
+                return await self._transport.request(
+                    backend.url,
+                    target,
+                    headers=headers,
+                    body=body,
+                    timeouts=Timeouts(connect=timeouts.connect, read=timeouts.read, idle=timeouts.idle),
+                    limits=HeadLimits(head_bytes=limits.response_head_bytes, headers=limits.response_headers),
+                )
+            except NotSent:
+                if resends == _NOT_SENT_RESENDS:
+                    raise
+                resends += 1
+                self._metrics.retries.labels(backend.pool, backend.name, "not_sent").inc()
 
     def _upstream_body(self, call: Call) -> tuple[bytes, bool]:
         """The body to send upstream, and whether the usage chunk of its stream is ours to drop."""

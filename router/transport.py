@@ -8,6 +8,8 @@ the router's in exactly one place, `_translate`:
     TransportError           (named as in HTTPX)
     ├── ConnectError         could not connect (refused, unreachable, connect timeout)
     │   └── TlsError         the TLS handshake failed (an untrusted certificate, a wrong name...)
+    ├── NotSent              the engine had closed the pooled connection before any byte of the
+    │                        request was written on it: the engine cannot have seen the request
     ├── ReadTimeout          no response within the read timeout, or a body silent for the idle timeout
     └── RemoteProtocolError  the connection broke, the response was not HTTP, or was a 101
         ├── TooLarge         a response head or body over its limit (`limits.*`)
@@ -17,7 +19,8 @@ Interim answers never reach the router: aiohttp reads past any 100–199 but 101
 (`ClientResponse.start`), and a 101 is refused here. The transport never sends a request
 twice: aiohttp re-sends only idempotent methods (RFC 9112 §9.3.1: the GETs of the health checks,
 the scraper and `/v1/models`), never a POST. A retry is the router's decision, counted in
-`specroute_retries_total`.
+`specroute_retries_total`; `NotSent` tells the router when a request provably never left (see
+`_never_written`).
 
 HTTP/1.1 has no other way to tell whose answer a response is than its order on the connection.
 Bytes that reach an idle pooled connection make it unusable (`_Connector`), but an answer an
@@ -76,6 +79,10 @@ class ConnectError(TransportError):
 
 
 class TlsError(ConnectError):
+    pass
+
+
+class NotSent(TransportError):
     pass
 
 
@@ -340,6 +347,8 @@ class AiohttpTransport:
                 max_headers=limits.headers,
             )
         except (TimeoutError, aiohttp.ClientError) as exc:
+            if _never_written(exc) and len(body) <= _ONE_WRITE:
+                raise NotSent("the engine closed the connection before the request was written on it") from exc
             raise _translate(exc) from exc
         if response.status == 101:
             response.close()
@@ -355,7 +364,8 @@ class AiohttpTransport:
 
     async def get(self, url: str, *, headers: Sequence[tuple[str, str]] = ()) -> tuple[int, bytes]:
         parsed = URL(url, encoded=True)
-        response = await self.request(
+        request = functools.partial(
+            self.request,
             str(parsed.origin()),
             parsed.raw_path_qs,
             method="GET",
@@ -363,6 +373,10 @@ class AiohttpTransport:
             timeouts=_UNBOUNDED,
             limits=HeadLimits(head_bytes=64 * 1024, headers=100),
         )
+        try:
+            response = await request()
+        except NotSent:  # a GET is idempotent, and this one never left: once more, on another connection
+            response = await request()
         try:
             return response.status, await response.read(limit=64 * 1024 * 1024)
         finally:
@@ -400,6 +414,25 @@ def _payload(body: bytes) -> bytes | io.BytesIO:
 def _client_timeout(connect: float | None, read: float | None) -> aiohttp.ClientTimeout:
     # A handful of distinct values in a router's life: made once each, not per request.
     return aiohttp.ClientTimeout(total=None, connect=connect, sock_read=read)
+
+
+def _never_written(exc: BaseException) -> bool:
+    """Whether aiohttp refused to write the request because its connection was already closing.
+
+    The engine closed a pooled keep-alive connection (uvicorn does after 5 s idle) after the pool
+    handed it out but before the request was written: the request's write runs in a task of its
+    own, a loop step or more later, and the engine's FIN can be read in between. aiohttp's writer
+    then raises ClientConnectionResetError before it hands a byte to the socket (the body writer
+    passes it on as the cause of a ClientOSError). A body of up to `_ONE_WRITE` bytes goes out in
+    that one write together with the head, so its refusal means that no byte left: the engine
+    cannot have read the request (RFC 9110 §9.2.2 allows sending a POST again when "the original
+    request was never applied"; Envoy's `reset-before-request` is the same case). Bytes written
+    and then a closed connection prove nothing — the engine may have read them — and stay a
+    RemoteProtocolError.
+    """
+    return isinstance(exc, aiohttp.ClientConnectionResetError) or isinstance(
+        exc.__cause__, aiohttp.ClientConnectionResetError
+    )
 
 
 def _translate(exc: Exception) -> TransportError:

@@ -74,6 +74,7 @@ class RawEngine:
         self.connections = 0  # accepted
         self.closed: set[int] = set()  # the numbers of the connections closed since
         self.written = 0  # bytes an answer counted as sent (for the bounded-buffer tests)
+        self._idle: set[asyncio.StreamWriter] = set()  # connections waiting for their next request
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
@@ -105,6 +106,20 @@ class RawEngine:
         self._thread.join(10)
         self._loop.close()
 
+    def close_idle(self) -> int:
+        """Close every connection waiting for a request, as uvicorn does after its keep-alive time
+        (a FIN, nothing read); returns how many, once each is closed. It blocks the calling thread,
+        so a caller on an event loop keeps that loop from seeing the FINs until it awaits."""
+
+        async def close() -> int:
+            idle, self._idle = self._idle, set()
+            for writer in idle:
+                writer.close()
+            await asyncio.gather(*(writer.wait_closed() for writer in idle), return_exceptions=True)
+            return len(idle)
+
+        return asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
+
     def wait_for(self, condition: Callable[[], bool], timeout: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout
         while not condition():
@@ -118,7 +133,12 @@ class RawEngine:
         number = self.connections
         earlier = 0
         try:
-            while (exchange := await self._read(reader, number, earlier)) is not None:
+            while True:
+                self._idle.add(writer)
+                exchange = await self._read(reader, number, earlier)
+                self._idle.discard(writer)
+                if exchange is None:
+                    break
                 earlier += 1
                 if exchange.method == "GET":
                     body = b'{"object": "list", "data": []}' if exchange.target == "/v1/models" else b""
@@ -135,6 +155,7 @@ class RawEngine:
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ssl.SSLError):
             pass  # the router closed the connection: what several tests expect
         finally:
+            self._idle.discard(writer)
             self.closed.add(number)
             writer.close()
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+import uvloop
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -300,6 +301,52 @@ def test_a_reused_connection_closed_after_the_engine_read_the_post_is_not_sent_a
         assert [e.request_id for e in engine.requests].count("second") == 1  # ...and was not sent again
         assert router.metric("specroute_retries_total", pool="p", backend="e", reason="protocol") == 0
         assert_recovered(router)
+
+
+def test_a_pooled_connection_the_engine_closed_before_the_post_was_written_is_sent_again() -> None:
+    """uvicorn closes a keep-alive connection idle for 5 s. When it does so after the router took
+    the connection from its pool but before the request was written (the write runs a loop step
+    later; under load, seconds), nothing was sent: the router sends it again at once, to the
+    same backend even when pinned, and counts it (`not_sent`). Seen on real vLLM engines as an
+    intermittent 502 of a pinned request (tests/real). The router runs in this thread, on
+    uvloop as `specroute serve` runs it, so the engine's FIN can be timed between the two steps."""
+    registry = CollectorRegistry()
+
+    async def scenario(engine: RawEngine) -> list[httpx.Response]:
+        settings: dict[str, Any] = {
+            "pools": {"p": {"speculative": False, "backends": {"e": {"url": engine.url, "max_concurrency": 8}}}},
+            "scrape": {"interval": 60},
+            "health": {"interval": 60},
+            # No hold for a new client: the request reaches the pool without a pause, while the
+            # engine's FIN waits unread.
+            "classify": {"burst_hold_seconds": 0},
+        }
+        app = create_app(Settings(**settings), registry=registry)
+        asgi = httpx.ASGITransport(app=app)
+        client = httpx.AsyncClient(transport=asgi, base_url="http://r/v1")
+        async with app.router.lifespan_context(app), client:
+
+            async def ask(request_id: str) -> httpx.Response:
+                body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
+                headers = {"x-request-id": request_id, "x-route-pool": "p"}  # pinned: no other place to go
+                return await client.post("/chat/completions", json=body, headers=headers)
+
+            replies = [await ask("first")]  # its connection goes back to the pool
+            # Blocks this loop until the engine has closed its idle connections: the FINs wait
+            # unread in the kernel while the router takes one from its pool for the next request.
+            assert engine.close_idle() >= 1
+            replies.append(await ask("second"))
+            return replies
+
+    with RawEngine() as engine:
+        first, second = uvloop.run(scenario(engine))
+    assert first.status_code == 200 and answer_text(first) == "first"
+    assert second.status_code == 200, second.text
+    assert answer_text(second) == "second"
+    assert [exchange.request_id for exchange in engine.requests] == ["first", "second"]  # once each
+    labels = {"pool": "p", "backend": "e"}
+    assert registry.get_sample_value("specroute_retries_total", {**labels, "reason": "not_sent"}) == 1
+    assert registry.get_sample_value("specroute_upstream_errors_total", {**labels, "kind": "protocol"}) is None
 
 
 # -- bodies the router must read right ---------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+import uvloop
 import yaml
 
 from router.transport import (
@@ -20,11 +21,13 @@ from router.transport import (
     AiohttpTransport,
     ConnectError,
     HeadLimits,
+    NotSent,
     ReadTimeout,
     RemoteProtocolError,
     Timeouts,
     Transport,
 )
+from tests.raw_engine import RawEngine
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 LIMITS = HeadLimits(head_bytes=65536, headers=100)
@@ -294,6 +297,34 @@ async def test_a_get_on_a_stale_keep_alive_connection_is_replaced() -> None:
         assert await transport.get(url) == (200, b"ok")
         assert accepted == [1, 1]
         await transport.aclose()
+
+
+def test_a_post_on_a_connection_the_engine_closed_before_it_was_written_is_not_sent() -> None:
+    """The engine closes a pooled connection between the moment the pool hands it out and the
+    moment the request is written (the write runs a loop step later; on uvloop, as the router
+    runs, the engine's FIN is read in between): aiohttp refuses to write, no byte leaves, and
+    the transport says so (NotSent); the request sent next, on a new connection, arrives once."""
+
+    async def scenario(engine: RawEngine) -> None:
+        transport = _transport()
+        try:
+            first = await _post(transport, engine.url, body=b"first")
+            await first.read(limit=1000)
+            await first.aclose()  # pooled
+            # Blocks this loop until the engine has closed it: its FIN waits, unread, in the
+            # kernel when the pool hands the connection out just below (no await in between).
+            assert engine.close_idle() == 1
+            with pytest.raises(NotSent):
+                await _post(transport, engine.url, body=b"second")
+            third = await _post(transport, engine.url, body=b"third")
+            assert third.status == 200
+            await third.aclose()
+        finally:
+            await transport.aclose()
+
+    with RawEngine() as engine:
+        uvloop.run(scenario(engine))
+    assert [(exchange.connection, exchange.body) for exchange in engine.requests] == [(1, b"first"), (2, b"third")]
 
 
 def test_a_reload_reaches_pooled_connections(
