@@ -32,8 +32,10 @@ then it reads as that request's answer. An engine that echoes `X-Request-Id` (vL
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import io
+import select
 import ssl
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -56,6 +58,11 @@ KEEP_ALIVE_SECONDS = 4.0
 # /v1/models each hold one at most.
 _PROBE_CONNECTIONS = 3
 _ONE_WRITE = 1 << 20
+# The pooled connection the current request was given (None: a new one), for the check just
+# before its first byte is written; aiohttp writes in a task of its own, which inherits this
+# from the request's task. Per task, so no request sees another's.
+_REUSED: contextvars.ContextVar[ResponseHandler | None] = contextvars.ContextVar("reused", default=None)
+_PEER_SHUT = getattr(select, "POLLRDHUP", 0)  # Linux: the peer shut down its side
 
 
 def tls_context(config: Tls) -> ssl.SSLContext:
@@ -260,9 +267,29 @@ class _Connector(aiohttp.TCPConnector):
         while (connection := await super()._get(key, traces)) is not None:
             protocol: ResponseHandler | None = connection.protocol
             if protocol is not None and not protocol.should_close:
+                _REUSED.set(protocol)
                 return connection
             connection.close()
+        _REUSED.set(None)
         return None
+
+
+async def _before_writing(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
+    """Refuses to write on a pooled connection whose engine has closed it meanwhile.
+
+    aiohttp calls this (its `on_request_chunk_sent` trace) just before it writes a piece of the
+    body, the head going with the first, in the same step. The engine's FIN may be in the kernel
+    and not yet read by the loop: the socket then polls readable (EOF, a reset, or bytes nobody
+    asked for), and writing would send the request to a closed connection, where nobody can tell
+    whether the engine read it. Refused here, no byte leaves (NotSent).
+    """
+    protocol = _REUSED.get()
+    if protocol is None or protocol.transport is None:
+        return  # a new connection, or one aiohttp itself will refuse to write on
+    poller = select.poll()
+    poller.register(protocol.transport.get_extra_info("socket").fileno(), select.POLLIN | _PEER_SHUT)
+    if poller.poll(0):
+        raise aiohttp.ClientConnectionResetError("the engine closed the connection before the request was written")
 
 
 class AiohttpTransport:
@@ -309,8 +336,11 @@ class AiohttpTransport:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             connector = _Connector(limit=0, limit_per_host=self._limit, keepalive_timeout=KEEP_ALIVE_SECONDS)
+            checks = aiohttp.TraceConfig()
+            checks.on_request_chunk_sent.append(_before_writing)
             self._session = aiohttp.ClientSession(
                 connector=connector,
+                trace_configs=[checks],
                 timeout=aiohttp.ClientTimeout(total=None),
                 # Only the headers the router chose; aiohttp adds Host and Content-Length.
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
@@ -417,18 +447,19 @@ def _client_timeout(connect: float | None, read: float | None) -> aiohttp.Client
 
 
 def _never_written(exc: BaseException) -> bool:
-    """Whether aiohttp refused to write the request because its connection was already closing.
+    """Whether the request was refused before a byte of it was written: its connection was
+    closing, or closed by the engine (`_before_writing`).
 
     The engine closed a pooled keep-alive connection (uvicorn does after 5 s idle) after the pool
     handed it out but before the request was written: the request's write runs in a task of its
-    own, a loop step or more later, and the engine's FIN can be read in between. aiohttp's writer
-    then raises ClientConnectionResetError before it hands a byte to the socket (the body writer
-    passes it on as the cause of a ClientOSError). A body of up to `_ONE_WRITE` bytes goes out in
-    that one write together with the head, so its refusal means that no byte left: the engine
-    cannot have read the request (RFC 9110 §9.2.2 allows sending a POST again when "the original
-    request was never applied"; Envoy's `reset-before-request` is the same case). Bytes written
-    and then a closed connection prove nothing — the engine may have read them — and stay a
-    RemoteProtocolError.
+    own, a loop step or more later (seconds, on a busy machine). aiohttp's writer, and
+    `_before_writing`, then raise ClientConnectionResetError before a byte reaches the socket;
+    the body writer passes it on as the cause of a ClientOSError. A body of up to `_ONE_WRITE`
+    bytes goes out in that one write together with the head, so its refusal means that no byte
+    left: the engine cannot have read the request (RFC 9110 §9.2.2 allows sending a POST again
+    when "the original request was never applied"; Envoy's `reset-before-request` is the same
+    case). Bytes written and then a closed connection prove nothing — the engine may have read
+    them — and stay a RemoteProtocolError.
     """
     return isinstance(exc, aiohttp.ClientConnectionResetError) or isinstance(
         exc.__cause__, aiohttp.ClientConnectionResetError

@@ -303,13 +303,16 @@ def test_a_reused_connection_closed_after_the_engine_read_the_post_is_not_sent_a
         assert_recovered(router)
 
 
-def test_a_pooled_connection_the_engine_closed_before_the_post_was_written_is_sent_again() -> None:
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_pooled_connection_the_engine_closed_before_the_post_was_written_is_sent_again(loop: str) -> None:
     """uvicorn closes a keep-alive connection idle for 5 s. When it does so after the router took
     the connection from its pool but before the request was written (the write runs a loop step
     later; under load, seconds), nothing was sent: the router sends it again at once, to the
     same backend even when pinned, and counts it (`not_sent`). Seen on real vLLM engines as an
-    intermittent 502 of a pinned request (tests/real). The router runs in this thread, on
-    uvloop as `specroute serve` runs it, so the engine's FIN can be timed between the two steps."""
+    intermittent 502 of a pinned request (tests/real), both ways: aiohttp refusing to write
+    (uvloop, as `specroute serve` runs) and the request written to a connection already closed
+    (asyncio's loop). The router runs in this thread, so the engine's FIN can be timed between
+    the two steps."""
     registry = CollectorRegistry()
 
     async def scenario(engine: RawEngine) -> list[httpx.Response]:
@@ -339,7 +342,7 @@ def test_a_pooled_connection_the_engine_closed_before_the_post_was_written_is_se
             return replies
 
     with RawEngine() as engine:
-        first, second = uvloop.run(scenario(engine))
+        first, second = (uvloop.run if loop == "uvloop" else asyncio.run)(scenario(engine))
     assert first.status_code == 200 and answer_text(first) == "first"
     assert second.status_code == 200, second.text
     assert answer_text(second) == "second"
