@@ -394,8 +394,7 @@ class AiohttpTransport:
 
     async def get(self, url: str, *, headers: Sequence[tuple[str, str]] = ()) -> tuple[int, bytes]:
         parsed = URL(url, encoded=True)
-        request = functools.partial(
-            self.request,
+        response = await self.request(
             str(parsed.origin()),
             parsed.raw_path_qs,
             method="GET",
@@ -403,10 +402,6 @@ class AiohttpTransport:
             timeouts=_UNBOUNDED,
             limits=HeadLimits(head_bytes=64 * 1024, headers=100),
         )
-        try:
-            response = await request()
-        except NotSent:  # a GET is idempotent, and this one never left: once more, on another connection
-            response = await request()
         try:
             return response.status, await response.read(limit=64 * 1024 * 1024)
         finally:
