@@ -54,6 +54,7 @@ class Profile(_Data):
     kv_overhead_tokens: int = Field(default=0, ge=0, description="KV reserved per request beyond prompt+answer")
     default_max_tokens: int = Field(default=2048, ge=1)
     max_model_len: int = Field(default=131072, ge=1)
+    embedding_size: int = Field(default=1024, ge=1, le=65536, description="length of `/v1/embeddings` vectors")
     step: StepCost
     speculation: Speculation | None = None
 

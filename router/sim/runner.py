@@ -11,19 +11,31 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from router.content import ContentKind
 from router.sim.engine import Engine, SimRequest
 from router.sim.profile import Profile
 
 
+class Update(NamedTuple):
+    """What one step gave one generation: its tokens, and whether it is finished."""
+
+    choice: int
+    tokens: int
+    finished: bool
+
+
 @dataclass(eq=False)
 class Generation:
-    """One request inside the engine, seen from the HTTP side."""
+    """One request inside the engine, seen from the HTTP side.
+
+    The `n` choices of one HTTP request are `n` generations sharing one queue, told apart by
+    their index (as vLLM runs `n > 1` as `n` requests in its engine)."""
 
     request: SimRequest
-    # Tokens gained at each step; None once the request is finished.
-    updates: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    index: int = 0
+    updates: asyncio.Queue[Update] = field(default_factory=asyncio.Queue)
 
 
 class EngineRunner:
@@ -39,7 +51,15 @@ class EngineRunner:
         self._wall_origin: float | None = None
 
     def submit(
-        self, *, prompt_tokens: int, max_tokens: int | None, kind: ContentKind, ignore_eos: bool, min_tokens: int
+        self,
+        *,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        kind: ContentKind,
+        ignore_eos: bool,
+        min_tokens: int,
+        index: int = 0,
+        updates: asyncio.Queue[Update] | None = None,
     ) -> Generation:
         if not self.engine.busy:
             # An idle engine's clock catches up with the wall clock before the request arrives.
@@ -52,7 +72,7 @@ class EngineRunner:
             ignore_eos=ignore_eos,
             min_tokens=min_tokens,
         )
-        generation = Generation(request)
+        generation = Generation(request, index, asyncio.Queue() if updates is None else updates)
         self._generations[request] = generation
         self._wake.set()
         return generation
@@ -78,9 +98,8 @@ class EngineRunner:
                 generation = self._generations.get(emission.request)
                 if generation is None:
                     continue
-                generation.updates.put_nowait(emission.tokens)
+                generation.updates.put_nowait(Update(generation.index, emission.tokens, emission.finished))
                 if emission.finished:
-                    generation.updates.put_nowait(None)
                     del self._generations[emission.request]
 
     def _sim_now(self) -> float:

@@ -1,77 +1,76 @@
 """The simulated engine behind an OpenAI-compatible HTTP API, in vLLM's wire format.
 
-Streams: a role-only first chunk, content chunks (one per engine step, carrying every token the
-step produced), a finish chunk, the usage chunk when `stream_options.include_usage` is set, and
-`data: [DONE]`. Errors use vLLM's envelope. `/metrics` carries vLLM's metric names.
+The routes: chat completions and completions (answers built by `reply`, requests read by
+`protocol`), embeddings (`embed`), the model list, `/health`, `/version`, and `/metrics` with
+vLLM's metric names. Any other path answers an OpenAI-shaped error saying the simulator does not
+support it. Every response carries `X-Request-Id`, as vLLM's does with
+`--enable-request-id-headers`, and the request's own id is the base of its answer's id.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import json
-import random
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.content import ContentKind, detect_kind, request_text
-from router.prompts import chat_prompt_tokens, count_tokens
+from router.sim import embed, protocol
 from router.sim.profile import Profile
+from router.sim.protocol import EngineError
+from router.sim.reply import Reply
 from router.sim.runner import EngineRunner, Generation
-from router.sim.text import tokens as text_tokens
 
 VERSION = "0.11.0+specroute-sim"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 
 
-class EngineError(Exception):
-    def __init__(self, message: str, *, status: int = 400, kind: str = "BadRequestError", param: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.kind, self.param = message, status, kind, param
-
-    def response(self) -> Response:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-        return JSONResponse(body, status_code=self.status)
-
-
-def create_sim_app(profile: Profile, *, time_scale: float = 1.0, seed: int = 0) -> Starlette:
+def create_sim_app(
+    profile: Profile, *, time_scale: float = 1.0, seed: int = 0, embedding_size: int | None = None
+) -> Starlette:
     runner = EngineRunner(profile, time_scale=time_scale, seed=seed)
     registry = CollectorRegistry()
     stats = _EngineStats(runner, profile.model)
     registry.register(stats)
+    dimensions = embedding_size or profile.embedding_size
 
     async def completions(request: Request) -> Response:
-        chat = request.url.path.endswith("/chat/completions")
         try:
-            params = _parse(await request.body(), profile, chat=chat)
+            params = protocol.parse(await request.body(), profile, chat=request.url.path.endswith("/chat/completions"))
         except EngineError as exc:
             return exc.response()
-        generation = runner.submit(
-            prompt_tokens=params.prompt_tokens,
-            max_tokens=params.max_tokens,
-            kind=params.kind,
-            ignore_eos=params.ignore_eos,
-            min_tokens=params.min_tokens,
+        reply = Reply.submit(
+            runner,
+            params,
+            model=profile.model,
+            request_id=_base_request_id(request, params.request_id),
+            seed=seed,
+            on_first_token=stats.first_token,
         )
-        reply = _Reply(profile.model, chat, params, generation, seed)
         if params.stream:
-            return StreamingResponse(
-                _guarded(reply.stream(), runner, stats, generation), media_type="text/event-stream"
-            )
-        return await _whole(request, reply, runner, stats, generation)
+            return StreamingResponse(_guarded(reply.stream(), runner, reply), media_type="text/event-stream")
+        return await _whole(request, reply, runner)
+
+    async def embeddings(request: Request) -> Response:
+        try:
+            body = protocol.load(await request.body(), profile)
+            inputs, size, encoding = embed.parse(body, dimensions, max_model_len=profile.max_model_len)
+        except EngineError as exc:
+            return exc.response()
+        request_id = "embd-" + _base_request_id(request, body.get("request_id"))
+        return JSONResponse(embed.response(inputs, size, encoding, model=profile.model, request_id=request_id))
 
     async def health(request: Request) -> Response:
         return Response(status_code=200)
@@ -94,6 +93,11 @@ def create_sim_app(profile: Profile, *, time_scale: float = 1.0, seed: int = 0) 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def unsupported(request: Request) -> Response:
+        modelled = "chat completions, completions, embeddings, models, health, version and metrics"
+        what = f"{request.method} {request.url.path} (it models {modelled})"
+        return EngineError(protocol.not_supported(what).message, status=404, kind="NotFoundError").response()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         task = asyncio.create_task(runner.run())
@@ -106,164 +110,60 @@ def create_sim_app(profile: Profile, *, time_scale: float = 1.0, seed: int = 0) 
         routes=[
             Route("/v1/chat/completions", completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
             Route("/v1/models", models),
             Route("/health", health),
             Route("/version", version),
             Route("/metrics", metrics),
+            Route("/{path:path}", unsupported, methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]),
         ],
+        middleware=[Middleware(_RequestIdHeader)],
         lifespan=lifespan,
     )
     app.state.runner = runner
     return app
 
 
-@dataclass(frozen=True, slots=True)
-class _Params:
-    prompt_tokens: int
-    max_tokens: int | None
-    min_tokens: int
-    ignore_eos: bool
-    stream: bool
-    include_usage: bool
-    kind: ContentKind
+def _base_request_id(request: Request, body_id: Any) -> str:
+    """vLLM's `_base_request_id`: the `X-Request-Id` header, else the body's `request_id`, else new."""
+    header = request.headers.get("x-request-id")
+    if header is not None:
+        return header
+    return body_id if isinstance(body_id, str) else uuid.uuid4().hex
 
 
-def _parse(raw: bytes, profile: Profile, *, chat: bool) -> _Params:
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise EngineError(f"Invalid JSON body: {exc}") from exc
-    if not isinstance(body, dict):
-        raise EngineError("The request body must be a JSON object.")
-    if body.get("model") != profile.model:
-        raise EngineError(
-            f"The model `{body.get('model')}` does not exist.", status=404, kind="NotFoundError", param="model"
-        )
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise EngineError("`messages` must be a non-empty list.", param="messages")
-        prompt_tokens = chat_prompt_tokens([request_text({"messages": [m]}) for m in messages])
-    else:
-        if not isinstance(body.get("prompt"), str | list):
-            raise EngineError("`prompt` must be a string or a list of strings.", param="prompt")
-        prompt_tokens = count_tokens(request_text(body)) + 1
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-        raise EngineError("max_tokens must be at least 1.", param="max_tokens")
-    if max_tokens is not None and prompt_tokens + max_tokens > profile.max_model_len:
-        raise EngineError(
-            f"This model's maximum context length is {profile.max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
-            "completion). Please reduce the length of the messages or completion.",
-            param="max_tokens",
-        )
-    if body.get("n", 1) != 1:
-        raise EngineError("The simulated engine serves n=1 only.", param="n")
-    min_tokens = body.get("min_tokens", 0)
-    if not isinstance(min_tokens, int) or min_tokens < 0:
-        raise EngineError("min_tokens must be a non-negative integer.", param="min_tokens")
-    options = body.get("stream_options") or {}
-    return _Params(
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        ignore_eos=bool(body.get("ignore_eos", False)),
-        stream=bool(body.get("stream", False)),
-        include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
-        kind=detect_kind(request_text(body)),
-    )
+class _RequestIdHeader:
+    """vLLM's `--enable-request-id-headers`: every response carries `X-Request-Id`, the request's
+    own or a new one (not the answer's id then: vLLM makes the two apart)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(raw=message["headers"]).append("X-Request-Id", request_id)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
-class _Reply:
-    """Turns the engine's per-step token counts into vLLM-format chunks or a whole response."""
-
-    def __init__(self, model: str, chat: bool, params: _Params, generation: Generation, seed: int) -> None:
-        self.model = model
-        self.chat = chat
-        self.params = params
-        self.generation = generation
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        request = generation.request
-        self._text: Iterator[str] = text_tokens(request.kind, random.Random(f"{seed}:{request.id}"))
-
-    def _piece(self, count: int) -> str:
-        return "".join(itertools.islice(self._text, count))
-
-    def _finish_reason(self) -> str:
-        request = self.generation.request
-        return "length" if request.generated >= request.max_tokens else "stop"
-
-    def _usage(self) -> dict[str, int]:
-        completion = self.generation.request.generated
-        prompt = self.params.prompt_tokens
-        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
-
-    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        payload = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-        return b"data: " + json.dumps({**payload, **extra}, separators=(",", ":")).encode() + b"\n\n"
-
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        if self.chat:
-            return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-    async def stream(self) -> AsyncIterator[bytes]:
-        if self.chat:
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield self._chunk([role])
-        while (count := await self.generation.updates.get()) is not None:
-            yield self._chunk([self._choice(self._piece(count), None)])
-        yield self._chunk([self._choice("", self._finish_reason())])
-        if self.params.include_usage:
-            yield self._chunk([], usage=self._usage())
-        yield b"data: [DONE]\n\n"
-
-    async def whole(self) -> dict[str, Any]:
-        pieces = []
-        while (count := await self.generation.updates.get()) is not None:
-            pieces.append(self._piece(count))
-        text = "".join(pieces)
-        finish_reason = self._finish_reason()
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self._usage(),
-        }
-
-
-async def _guarded(
-    chunks: AsyncIterator[bytes], runner: EngineRunner, stats: _EngineStats, generation: Generation
-) -> AsyncIterator[bytes]:
+async def _guarded(chunks: AsyncIterator[bytes], runner: EngineRunner, reply: Reply) -> AsyncIterator[bytes]:
     """Pass chunks on; if the client leaves (the response is cancelled), abort and free the KV."""
-    first = True
     try:
         async for chunk in chunks:
-            if first and generation.request.first_token_at is not None:
-                first = False
-                stats.first_token(generation)
             yield chunk
     finally:
-        runner.abort(generation)
+        for generation in reply.generations:
+            runner.abort(generation)
 
 
-async def _whole(
-    request: Request, reply: _Reply, runner: EngineRunner, stats: _EngineStats, generation: Generation
-) -> Response:
+async def _whole(request: Request, reply: Reply, runner: EngineRunner) -> Response:
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -276,10 +176,10 @@ async def _whole(
         watch.cancel()
         if not answer.done():
             answer.cancel()
-            runner.abort(generation)
+            for generation in reply.generations:
+                runner.abort(generation)
     if not answer.done() or answer.cancelled():
         return Response(status_code=499)
-    stats.first_token(generation)
     return JSONResponse(answer.result())
 
 
