@@ -71,7 +71,7 @@ def _reach(module: str) -> set[str]:
 
 def test_the_rules_see_the_package() -> None:
     assert {"router.cli", "router.demo", "router.sim.server", "router.classify", "router.bench.cli"} <= MODULES.keys()
-    assert "router.content" in set(_imports("router.sim.server"))
+    assert "router.content" in set(_imports("router.sim.protocol"))
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if _under(m, ("router.sim",))])

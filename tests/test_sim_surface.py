@@ -573,3 +573,73 @@ def test_hostile_embedding_bodies_get_an_error(stack: Stack, body: dict[str, Any
     assert response.status_code in (400, 404), response.text
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.post(stack.fast.url + "/v1/embeddings", json={"model": MODEL, "input": "x"}).status_code == 200
+
+
+# -- requests as the load tools and libraries send them ----------------------------------------
+# Captured from guidellm 0.8.1, aiperf 0.13.0, inference-perf 0.7.0 and langchain-openai 1.7.4
+# run against `specroute serve` (docs/compatibility.md); the prompts are shortened.
+
+GUIDELLM = {"user-agent": "python-httpx/0.28.1"}
+AIPERF = {"user-agent": "aiperf/0.13.0"}
+INFERENCE_PERF = {"user-agent": "Python/3.11 aiohttp/3.14.5"}
+LANGCHAIN = {"user-agent": "OpenAI/Python 3.57.0"}
+TOOL_REQUESTS: list[tuple[str, dict[str, str], str, dict[str, Any]]] = [
+    ("guidellm chat stream", GUIDELLM, "/v1/chat/completions",
+     {"model": MODEL, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+      "max_completion_tokens": 16, "ignore_eos": True,
+      "messages": [{"role": "user", "content": [{"type": "text", "text": "1 0 m0 Finish medical want almost away"}]}]}),
+    ("aiperf chat", AIPERF, "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": " his time Hath founded his good fortunes"}], "model": MODEL,
+      "stream": False}),
+    ("aiperf chat stream", AIPERF, "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": " is this which stains The stony entrance"}], "model": MODEL,
+      "stream": True, "stream_options": {"include_usage": True}}),
+    ("inference-perf completions", INFERENCE_PERF, "/v1/completions",
+     {"model": MODEL, "prompt": "1 2 3 1", "max_tokens": 30, "ignore_eos": True, "stream": False}),
+    ("inference-perf chat stream", INFERENCE_PERF, "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "mock prompt 1"}], "max_tokens": 30,
+      "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}),
+    ("langchain OpenAI completions", LANGCHAIN, "/v1/completions",
+     {"model": MODEL, "prompt": ["The sea"], "frequency_penalty": 0, "logprobs": None, "max_tokens": 256, "n": 1,
+      "presence_penalty": 0, "seed": None, "temperature": 0.7, "top_p": 1}),
+    ("langchain structured output (function calling)", LANGCHAIN, "/v1/chat/completions",
+     {"model": MODEL, "stream": False, "messages": [{"content": "Describe a harbour.", "role": "user"}],
+      "parallel_tool_calls": False, "tool_choice": {"type": "function", "function": {"name": "Harbour"}},
+      "tools": [{"type": "function", "function": {"name": "Harbour", "description": "", "parameters": {
+          "properties": {"name": {"type": "string"}, "depth_m": {"type": "number"}},
+          "required": ["name", "depth_m"], "type": "object"}}}]}),
+    ("langchain embeddings", LANGCHAIN, "/v1/embeddings",
+     {"model": MODEL, "input": ["tides", "maps"], "encoding_format": "base64"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "headers", "path", "body"), TOOL_REQUESTS, ids=[r[0] for r in TOOL_REQUESTS])
+def test_requests_as_the_tools_send_them(
+    stack: Stack, name: str, headers: dict[str, str], path: str, body: dict[str, Any]
+) -> None:
+    response = httpx.post(stack.router.url + path, json=body, headers=headers, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-request-id"]
+    if not body.get("stream"):
+        answer = response.json()
+        assert answer["usage"]["prompt_tokens"] > 0
+        if "choices" in answer:
+            assert answer["choices"] and answer["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+        return
+    lines = [line for line in response.text.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] > 0
+    if body["stream_options"].get("continuous_usage_stats"):
+        # vLLM's running count on every chunk, which guidellm reads token by token.
+        counts = [event["usage"]["completion_tokens"] for event in events[:-1]]
+        assert counts == sorted(counts) and counts[0] == 0
+        assert counts[-1] == events[-1]["usage"]["completion_tokens"] == body["max_completion_tokens"]
+
+
+def test_the_probes_the_tools_make(stack: Stack) -> None:
+    # guidellm: GET /health, then /v1/models; aiperf: HEAD and GET /metrics.
+    assert httpx.get(stack.router.url + "/health", headers=GUIDELLM).status_code == 200
+    assert [m["id"] for m in httpx.get(stack.router.url + "/v1/models", headers=GUIDELLM).json()["data"]] == [MODEL]
+    assert httpx.head(stack.router.url + "/metrics", headers=INFERENCE_PERF).status_code == 200
+    assert "specroute_requests_total" in httpx.get(stack.router.url + "/metrics").text

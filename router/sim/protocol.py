@@ -67,6 +67,7 @@ class Params:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # usage on every chunk too (vLLM's `stream_options.continuous_usage_stats`)
     logprobs: int | None  # None: none asked; else how many top log-probabilities per token
     response_format: dict[str, Any] | None  # json_object or json_schema, checked
     tool: ToolCall | None
@@ -144,6 +145,9 @@ def parse(raw: bytes, profile: Profile, *, chat: bool) -> Params:
         ignore_eos=bool(body.get("ignore_eos", False)),
         stream=stream,
         include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+        continuous_usage=isinstance(options, dict)
+        and bool(options.get("include_usage"))
+        and bool(options.get("continuous_usage_stats")),
         logprobs=_chat_logprobs(body) if chat else _completion_logprobs(body),
         response_format=_response_format(body.get("response_format")),
         tool=_tool(body) if chat else None,

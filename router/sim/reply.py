@@ -42,6 +42,7 @@ class _Choice:
         self.plan = plan
         self.logprobs = logprobs
         self.text_offset = 0  # completions' logprobs count characters across chunks
+        self.delivered = 0  # tokens sent so far (the engine may be ahead)
         self.started = False
         self.header_sent = False  # a tool call's id and name go out with its first token
 
@@ -137,9 +138,11 @@ class Reply:
             if first and self.chat:
                 for other in self.choices:
                     role = {"role": "assistant", "content": ""}
-                    yield self._event([{"index": other.index, "delta": role, "logprobs": None, "finish_reason": None}])
+                    start = {"index": other.index, "delta": role, "logprobs": None, "finish_reason": None}
+                    yield self._event([start], **self._running_usage(other))
             first = False
-            yield self._event([self._stream_choice(choice, update)])
+            out = self._stream_choice(choice, update)
+            yield self._event([out], **self._running_usage(choice))
         if self.params.include_usage:
             yield self._event([], usage=self._usage())
         yield b"data: [DONE]\n\n"
@@ -149,8 +152,21 @@ class Reply:
         payload = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         return b"data: " + json.dumps({**payload, **extra}, separators=(",", ":")).encode() + b"\n\n"
 
+    def _running_usage(self, choice: _Choice) -> dict[str, Any]:
+        """vLLM's `continuous_usage_stats`: each chunk counts its choice's tokens so far."""
+        if not self.params.continuous_usage:
+            return {}
+        prompt = self.params.prompts[choice.index // self.params.n]
+        usage = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + choice.delivered,
+            "completion_tokens": choice.delivered,
+        }
+        return {"usage": usage}
+
     def _stream_choice(self, choice: _Choice, update: Update) -> dict[str, Any]:
         taken = choice.take(update.tokens)
+        choice.delivered += update.tokens
         out: dict[str, Any] = {"index": choice.index}
         if not self.chat:
             out["text"] = "".join(taken)
