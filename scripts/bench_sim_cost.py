@@ -2,7 +2,7 @@
 
 Starts `specroute sim` in its own process (from this checkout, or the one `--source` names), runs
 `--streams` concurrent streamed chat requests of `--tokens` tokens each, `--rounds` times, and
-prints the engine process's CPU seconds (user + system, from /proc) per 1,000 tokens delivered.
+prints the engine process's CPU time (user + system, from /proc) per token delivered, in µs.
 Linux only. Run with the tools extra (httpx):
 
     python scripts/bench_sim_cost.py --variant plain --variant logprobs --variant n4
@@ -85,7 +85,7 @@ def measure(source: Path, variant: str, *, streams: int, tokens: int, rounds: in
         asyncio.run(_round(base + "/v1/chat/completions", body, streams))  # warm up
         before = _cpu_seconds(process.pid)
         delivered = sum(asyncio.run(_round(base + "/v1/chat/completions", body, streams)) for _ in range(rounds))
-        return (_cpu_seconds(process.pid) - before) / delivered * 1000
+        return (_cpu_seconds(process.pid) - before) / delivered * 1e6
     finally:
         process.terminate()
         process.wait(timeout=10)
@@ -104,7 +104,7 @@ def main() -> None:
         cost = measure(
             args.source, variant, streams=args.streams, tokens=args.tokens, rounds=args.rounds, scale=args.time_scale
         )
-        print(f"{variant}: {cost:.3f} CPU ms per token ({cost:.3f} s per 1,000 tokens)", flush=True)
+        print(f"{variant}: {cost:.1f} µs of CPU per token", flush=True)
 
 
 if __name__ == "__main__":

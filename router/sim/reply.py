@@ -119,22 +119,23 @@ class Reply:
     def generations(self) -> list[Generation]:
         return [choice.generation for choice in self.choices]
 
-    async def _updates_until_done(self) -> AsyncIterator[tuple[_Choice, Update]]:
-        pending = len(self.choices)
-        while pending:
-            update = await self._updates.get()
-            choice = self.choices[update.choice]
-            if not choice.started:
-                choice.started = True
-                self._on_first_token(choice.generation)
-            pending -= update.finished
-            yield choice, update
+    async def _next(self) -> tuple[_Choice, Update]:
+        """The next step's tokens for one of the choices (the caller counts the finished ones)."""
+        update = await self._updates.get()
+        choice = self.choices[update.choice]
+        if not choice.started:
+            choice.started = True
+            self._on_first_token(choice.generation)
+        return choice, update
 
     # -- streams ----------------------------------------------------------------------------
 
     async def stream(self) -> AsyncIterator[bytes]:
         first = True
-        async for choice, update in self._updates_until_done():
+        pending = len(self.choices)
+        while pending:
+            choice, update = await self._next()
+            pending -= update.finished
             if first and self.chat:
                 for other in self.choices:
                     role = {"role": "assistant", "content": ""}
@@ -142,7 +143,11 @@ class Reply:
                     yield self._event([start], **self._running_usage(other))
             first = False
             out = self._stream_choice(choice, update)
-            yield self._event([out], **self._running_usage(choice))
+            yield (
+                self._event([out], **self._running_usage(choice))
+                if self.params.continuous_usage
+                else self._event([out])
+            )
         if self.params.include_usage:
             yield self._event([], usage=self._usage())
         yield b"data: [DONE]\n\n"
@@ -165,23 +170,38 @@ class Reply:
         return {"usage": usage}
 
     def _stream_choice(self, choice: _Choice, update: Update) -> dict[str, Any]:
+        """One choice's part of a chunk, with vLLM's fields in vLLM's order."""
         taken = choice.take(update.tokens)
         choice.delivered += update.tokens
-        out: dict[str, Any] = {"index": choice.index}
+        finish_reason = choice.finish_reason() if update.finished else None
         if not self.chat:
-            out["text"] = "".join(taken)
-            out["logprobs"] = self._completion_logprobs(choice, taken)
-        else:
-            out["delta"] = self._delta(choice, taken)
-            out["logprobs"] = self._chat_logprobs(choice, taken)
-        out["finish_reason"] = choice.finish_reason() if update.finished else None
-        if update.finished:
-            out["stop_reason"] = None
-        if not self.chat:
-            out["stop_reason"] = None
-            out["prompt_token_ids"] = None
-        out["token_ids"] = None
-        return out
+            return {
+                "index": choice.index,
+                "text": "".join(taken),
+                "logprobs": self._completion_logprobs(choice, taken),
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+                "prompt_token_ids": None,
+                "token_ids": None,
+            }
+        delta = self._delta(choice, taken)
+        logprobs = self._chat_logprobs(choice, taken)
+        if finish_reason is None:
+            return {
+                "index": choice.index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": None,
+                "token_ids": None,
+            }
+        return {
+            "index": choice.index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "token_ids": None,
+        }
 
     def _delta(self, choice: _Choice, taken: list[str]) -> dict[str, Any]:
         tool = choice.plan.tool
@@ -206,7 +226,10 @@ class Reply:
 
     async def whole(self) -> dict[str, Any]:
         texts: dict[int, list[str]] = {choice.index: [] for choice in self.choices}
-        async for choice, update in self._updates_until_done():
+        pending = len(self.choices)
+        while pending:
+            choice, update = await self._next()
+            pending -= update.finished
             texts[choice.index].extend(choice.take(update.tokens))
         built = [self._whole_choice(choice, texts[choice.index]) for choice in self.choices]
         answer: dict[str, Any] = {
