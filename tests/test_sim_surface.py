@@ -516,6 +516,13 @@ def test_what_it_does_not_model_is_an_openai_error_that_says_so(stack: Stack) ->
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "quantum"}}}],
           "tool_choice": "required"}, "tools"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
+        *(({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+           "response_format")
+          for schema in ({"anyOf": 5}, {"type": "object", "properties": [1]}, {"type": "array", "minItems": "a"},
+                         {"type": "array", "minItems": 3, "maxItems": 1}, {"type": "string", "format": "ipv9"})),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                                   "properties": "x"}}}],
+          "tool_choice": "required"}, "tools"),
     ],
 )  # fmt: skip
 def test_hostile_bodies_get_a_400_and_start_nothing(stack: Stack, body: dict[str, Any], param: str) -> None:
@@ -551,6 +558,31 @@ def test_a_schema_nested_past_the_limit_is_refused(stack: Stack) -> None:
     payload["response_format"] = {"type": "json_schema", "json_schema": {"name": "loop", "schema": looped}}
     response = httpx.post(stack.fast.url + "/v1/chat/completions", json=payload)
     assert response.status_code == 400 and "deeper than" in response.json()["error"]["message"]
+
+
+def test_odd_types_never_break_the_engine(stack: Stack) -> None:
+    """Fields of the wrong type are refused or have no effect: never a 500, never a stuck engine."""
+    odd: list[dict[str, Any]] = [
+        {"modalities": 5}, {"modalities": "audio"}, {"logprobs": "yes"}, {"top_logprobs": -1}, {"n": 1.0},
+        {"n": None}, {"tools": [{"function": {"name": "f", "parameters": None}}]}, {"tool_choice": {"function": "x"}},
+        {"tools": [WEATHER], "tool_choice": {"type": "function"}}, {"response_format": {"type": None}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+        {"messages": [{"role": "user", "content": 5}, "text", None]}, {"stream_options": "x", "stream": True},
+        {"max_tokens": True}, {"min_tokens": "3"}, {"request_id": 7}, {"echo": None}, {"best_of": 2},
+    ]  # fmt: skip
+    for extra in odd:
+        payload = {"model": MODEL, "messages": _ask("Hi"), "max_tokens": 2, **extra}
+        response = httpx.post(stack.fast.url + "/v1/chat/completions", json=payload)
+        assert response.status_code in (200, 400), (extra, response.text)
+        if response.status_code == 400:
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    completions: list[Any] = [{"prompt": [1, True]}, {"prompt": [[]]}, {"prompt": {"a": 1}}, {"logprobs": 21},
+                              {"logprobs": -1}, {"suffix": "x"}, {"prompt": [[1, 2], [3]], "n": 2}]  # fmt: skip
+    for extra in completions:
+        payload = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, **extra}
+        response = httpx.post(stack.fast.url + "/v1/completions", json=payload)
+        assert response.status_code in (200, 400), (extra, response.text)
+    stack.idle()
 
 
 @pytest.mark.parametrize(

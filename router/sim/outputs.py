@@ -137,6 +137,8 @@ class _Instance:
             return schema["enum"][0]
         for key in ("anyOf", "oneOf"):
             if key in schema:
+                if not isinstance(schema[key], list):
+                    raise Unsupported(f"a `{key}` that is not a list")
                 options = [o for o in schema[key] if not (isinstance(o, dict) and o.get("type") == "null")]
                 return self.of(options[0] if options else {"type": "null"}, depth + 1)
         kind = schema.get("type", "object" if "properties" in schema else "string")
@@ -144,13 +146,16 @@ class _Instance:
             kind = next((k for k in kind if k != "null"), "null")
         if kind == "object":
             properties = schema.get("properties") or {}
+            if not isinstance(properties, dict):
+                raise Unsupported("`properties` that are not an object")
             return {name: self.of(sub, depth + 1) for name, sub in properties.items()}
         if kind == "array":
-            low = int(schema.get("minItems", 0))
-            high = int(schema.get("maxItems", max(low, 3)))
-            count = max(low, min(high, 2))
-            if count > _MAX_ITEMS:
+            low, high = schema.get("minItems", 0), schema.get("maxItems", _MAX_ITEMS)
+            if not isinstance(low, int) or not isinstance(high, int) or low > high:
+                raise Unsupported("array bounds that are not a range")
+            if low > _MAX_ITEMS:
                 raise Unsupported(f"arrays of more than {_MAX_ITEMS} items")
+            count = max(low, min(high, 2))
             return [self.of(schema.get("items", {}), depth + 1) for _ in range(count)]
         if kind in ("integer", "number"):
             return self._number(schema, integer=kind == "integer")

@@ -99,7 +99,8 @@ def parse(raw: bytes, profile: Profile, *, chat: bool) -> Params:
             raise not_supported(what, param=name)
     if body.get("best_of") not in (None, 1):
         raise not_supported("`best_of`", param="best_of")
-    if "audio" in (body.get("modalities") or []):
+    modalities = body.get("modalities")
+    if isinstance(modalities, list) and "audio" in modalities:
         raise not_supported("audio output", param="modalities")
     prompts: tuple[int, ...]
     if chat:
@@ -176,7 +177,7 @@ def _completion_prompts(prompt: Any) -> tuple[int, ...]:
 def _chat_logprobs(body: dict[str, Any]) -> int | None:
     top = body.get("top_logprobs")
     if top is not None and (not _is_int(top) or top < 0):
-        raise EngineError("`top_logprobs` must be a positive value or -1.", param="top_logprobs")
+        raise EngineError(f"`top_logprobs` must be an integer from 0 to {MAX_LOGPROBS}.", param="top_logprobs")
     if top and not body.get("logprobs"):
         raise EngineError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
     if not body.get("logprobs"):
@@ -189,7 +190,7 @@ def _completion_logprobs(body: dict[str, Any]) -> int | None:
     if count is None:
         return None
     if not _is_int(count) or count < 0:
-        raise EngineError("`logprobs` must be a positive value or -1.", param="logprobs")
+        raise EngineError(f"`logprobs` must be an integer from 0 to {MAX_LOGPROBS}.", param="logprobs")
     return _within_max(count)
 
 
