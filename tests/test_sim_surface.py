@@ -60,8 +60,10 @@ class Stack:
     team: ServerThread
     registry: CollectorRegistry
 
+    sdk: openai.OpenAI
+
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.router.url + "/v1", api_key="none", max_retries=0)
+        return self.sdk
 
     def idle(self) -> None:
         """Nothing left in flight in the router, nor running in the engines."""
@@ -93,8 +95,11 @@ def stack() -> Iterator[Stack]:
             "batch": {"store_dir": store},
         }
         registry = CollectorRegistry()
-        with ServerThread(create_app(Settings(**data), registry=registry), fast=True) as router:
-            yield Stack(router, fast, team, registry)
+        with (
+            ServerThread(create_app(Settings(**data), registry=registry), fast=True) as router,
+            openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0) as sdk,
+        ):
+            yield Stack(router, fast, team, registry, sdk)
 
 
 def _ask(content: str) -> list[Any]:
