@@ -145,7 +145,10 @@ def _has_content(payload: dict[str, Any]) -> bool:
                 return True
             delta = choice.get("delta")
             if isinstance(delta, dict) and (
-                delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+                delta.get("content")
+                or delta.get("reasoning")  # vLLM 0.32's name
+                or delta.get("reasoning_content")  # earlier vLLM, SGLang
+                or delta.get("tool_calls")
             ):
                 return True
         return False

@@ -63,6 +63,18 @@ def test_role_only_chunk_is_not_content() -> None:
     assert watch.saw_content
 
 
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content", "tool_calls"])
+def test_reasoning_and_tool_calls_are_the_first_token(field: str) -> None:
+    """A reasoning model's first token is its reasoning (vLLM 0.32 names it `reasoning`, earlier
+    vLLM and SGLang `reasoning_content`); a tool call's is its first piece."""
+    value: object = [{"index": 0, "id": "call_1", "type": "function"}] if field == "tool_calls" else "Hm"
+    event = b"data: " + json.dumps({"choices": [{"index": 0, "delta": {field: value}}]}).encode() + b"\n\n"
+    watch = StreamWatch(drop_usage_chunk=False)
+    watch.feed(ROLE)
+    watch.feed(event)
+    assert watch.saw_content
+
+
 def test_completions_text_and_crlf_events() -> None:
     watch = StreamWatch(drop_usage_chunk=False)
     event = b'data: {"choices": [{"index": 0, "text": "hi"}]}\r\n\r\n'
