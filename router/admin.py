@@ -12,10 +12,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from router.backends import Backend
 from router.errors import BadRequest
 from router.headers import bearer
 from router.payload import parse_json
-from router.pools import Backend
 from router.runtime import Router
 
 
@@ -27,7 +27,7 @@ def admin_routes(router: Router) -> list[Route]:
         return await _set_draining(request, router, draining=False)
 
     async def reload(request: Request) -> Response:
-        router.auth.check_admin(bearer(request.headers.get("authorization")))
+        router.plan.auth.check_admin(bearer(request.headers.get("authorization")))
         return JSONResponse({"reloaded": True, **router.reload()})
 
     return [
@@ -38,8 +38,8 @@ def admin_routes(router: Router) -> list[Route]:
 
 
 async def _set_draining(request: Request, router: Router, *, draining: bool) -> Response:
-    router.auth.check_admin(bearer(request.headers.get("authorization")))
-    target = _target(await request.body(), max_depth=router.settings.limits.json_depth)
+    router.plan.auth.check_admin(bearer(request.headers.get("authorization")))
+    target = _target(await request.body(), max_depth=router.plan.json_depth)
     backends = router.set_draining(pool=target.get("pool"), backend=target.get("backend"), draining=draining)
     return JSONResponse({"draining": draining, "backends": [_view(backend) for backend in backends]})
 

@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from router.admin import admin_routes
 from router.batch.service import BatchService
+from router.clock import Clock
 from router.config import Settings
 from router.errors import MethodNotAllowed, NotFound, RouterError
 from router.headers import bearer
@@ -29,10 +30,12 @@ def create_app(
     registry: CollectorRegistry | None = None,
     load: Callable[[], Settings] | None = None,
     clock: Callable[[], float] = time.time,
+    live_clock: Clock | None = None,
 ) -> Starlette:
     """`load` reads the settings again for a reload (SIGHUP, /admin/reload); None: no reloads.
-    `clock` is the wall clock of the Batch API's timestamps and expiry (tests move it)."""
-    router = Router(settings, registry=registry, load=load)
+    `clock` is the wall clock of the Batch API's timestamps and expiry (tests move it);
+    `live_clock` the monotonic one of the live state (router.clock)."""
+    router = Router(settings, registry=registry, load=load, clock=live_clock)
     batches = BatchService(router, clock=clock)
 
     async def healthz(request: Request) -> Response:
@@ -52,11 +55,12 @@ def create_app(
         return Response(router.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(request: Request) -> Response:
-        router.auth.check_client(bearer(request.headers.get("authorization")))
+        router.plan.auth.check_client(bearer(request.headers.get("authorization")))
         return JSONResponse({"object": "list", "data": await router.catalog.models()})
 
     async def router_status(request: Request) -> Response:
-        return JSONResponse({**status(router.settings, router.pools, router.speeds), "batches": batches.status()})
+        view = status(router.plan, router.pools, router.speeds, now=router.clock.now())
+        return JSONResponse({**view, "batches": batches.status()})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -103,7 +107,7 @@ def create_app(
             Route("/router/status", router_status),
             *admin_routes(router),
             *batches.routes(),  # before the catch-all: /v1/files and /v1/batches are the router's own
-            Route("/v1/{path:path}", router.proxy, methods=["POST"]),
+            Route("/v1/{path:path}", router.pipeline, methods=["POST"]),
         ],
         exception_handlers={HTTPException: http_error, RouterError: router_error},
         lifespan=lifespan,

@@ -13,7 +13,6 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from router.config import Classify, JobClass, Match, Rule
-from router.errors import BadRequest
 
 JOB_CLASSES: tuple[JobClass, ...] = ("interactive", "batch")
 
@@ -38,22 +37,17 @@ class Classification:
     rewrite_model: str | None = None
 
 
-def client_id(api_key: str | None, user: str | None, address: str | None) -> str:
-    """Who a request belongs to, for the in-flight heuristic: the combination of what is present.
+class UnknownOverride(ValueError):
+    """An override header whose value names no pool or job class (the HTTP layer answers 400)."""
 
-    `api_key` is only an identity when it is one of the configured client keys (the caller passes
-    None otherwise: a placeholder such as "none" tells nobody apart). Users sharing one key are
-    told apart by the body's `user`; everyone behind one address, by their key or `user`.
-    """
-    parts = [f"key:{api_key}"] if api_key else []
-    if user:
-        parts.append(f"user:{user}")
-    parts.append(f"addr:{address or 'unknown'}")
-    return " ".join(parts)
+    def __init__(self, message: str, *, header: str, code: str) -> None:
+        super().__init__(message)
+        self.header = header
+        self.code = code
 
 
 class Classifier:
-    def __init__(self, config: Classify, *, pool_header: str, job_header: str, pools: set[str]) -> None:
+    def __init__(self, config: Classify, *, pool_header: str, job_header: str, pools: frozenset[str]) -> None:
         self._rules = config.rules
         self._threshold = config.batch_inflight_threshold
         self._pool_header = pool_header.lower()
@@ -63,17 +57,17 @@ class Classifier:
     def classify(self, facts: RequestFacts) -> Classification:
         pinned = facts.headers.get(self._pool_header)
         if pinned is not None and pinned not in self._pools:
-            raise BadRequest(
+            raise UnknownOverride(
                 f"{self._pool_header}: unknown pool {pinned!r}; pools: {', '.join(sorted(self._pools))}",
-                param=self._pool_header,
+                header=self._pool_header,
                 code="unknown_pool",
             )
         declared = facts.headers.get(self._job_header)
         if declared is not None:
             if declared not in JOB_CLASSES:
-                raise BadRequest(
+                raise UnknownOverride(
                     f"{self._job_header}: must be 'interactive' or 'batch', not {declared!r}",
-                    param=self._job_header,
+                    header=self._job_header,
                     code="unknown_job_type",
                 )
             return Classification("batch" if declared == "batch" else "interactive", "header", pinned)

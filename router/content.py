@@ -7,6 +7,7 @@ speculative pool still pays. Only a bounded prefix and suffix of the text are lo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
 import re2
@@ -43,7 +44,7 @@ def detect_kind(text: str, *, hints: tuple[str, ...] = ()) -> ContentKind:
     return "prose"
 
 
-def request_text(payload: dict[str, Any]) -> str:
+def request_text(payload: Mapping[str, Any]) -> str:
     """The prompt text of a chat, completions or responses request body."""
     parts: list[str] = []
     prompt = payload.get("prompt")

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import bisect
 import math
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from router.clock import Clock, MonotonicClock
+from router.config import Learn
 from router.content import ContentKind
 
 _MAX_CONCURRENCY = 512
@@ -166,12 +167,14 @@ def _estimate(found: _Bin) -> Estimate:
 class SpeedModel:
     """Curves for every backend, content kind and answer length (short or long)."""
 
-    def __init__(self, trust: Trust | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, trust: Trust | None = None, *, clock: Clock | None = None) -> None:
         self.trust = trust or Trust()
-        self._clock = clock
+        self._clock = clock or MonotonicClock()
         self._curves: dict[tuple[str, ContentKind, bool], Curve] = {}
 
-    def configure(self, trust: Trust) -> None:
+    def configure(self, config: Learn) -> None:
+        """The (re)loaded `learn` section."""
+        trust = Trust(min_samples=config.min_samples, max_interval=config.max_interval, half_life=config.half_life)
         self.trust = trust
         for curve in self._curves.values():
             curve.trust = trust
@@ -188,7 +191,7 @@ class SpeedModel:
     ) -> None:
         short = tokens < SHORT_ANSWER
         curve = self._curves.setdefault((backend, kind, short), Curve(self.trust))
-        curve.observe(concurrency, speed, tokens=tokens, gain=gain, now=self._clock())
+        curve.observe(concurrency, speed, tokens=tokens, gain=gain, now=self._clock.now())
 
     def forget(self, backend: str) -> None:
         """Drop what was learned of a backend (another engine now answers under its name)."""
@@ -211,7 +214,7 @@ class SpeedModel:
         for each in kinds:
             for short in (False, True):
                 curve = self._curves.get((backend, each, short))
-                estimate = curve.predict(concurrency, gain, now=self._clock()) if curve is not None else None
+                estimate = curve.predict(concurrency, gain, now=self._clock.now()) if curve is not None else None
                 if estimate is not None:
                     return estimate
         return None

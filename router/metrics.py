@@ -11,7 +11,6 @@ so a client cannot grow the number of series.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Set
 
 from prometheus_client import (
@@ -27,10 +26,12 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.backends import Pools
 from router.classify import JOB_CLASSES
+from router.clock import Clock
+from router.config import Scrape
 from router.content import CONTENT_KINDS
 from router.learn import SpeedModel, crossover
-from router.pools import Pools
 from router.version import BuildInfo
 
 # First tokens range from tens of milliseconds (idle speculative engine) to minutes (the
@@ -54,10 +55,9 @@ class Metrics:
         pools: Pools,
         speeds: SpeedModel,
         *,
-        stale_after: float,
         build: BuildInfo,
+        clock: Clock,
         known_models: Callable[[], Set[str]] = frozenset,
-        acceptance_max_age: float = 300.0,
     ) -> None:
         """`known_models()`: the model names that may be a label value (the catalog's and the
         configured ones), read at each request's end."""
@@ -145,12 +145,12 @@ class Metrics:
             ["result"],
             registry=registry,
         )
-        self._live = _LiveState(pools, speeds, stale_after, acceptance_max_age)
+        self._live = _LiveState(pools, speeds, clock)
         registry.register(self._live)
 
-    def configure(self, *, stale_after: float, acceptance_max_age: float) -> None:
-        self._live.stale_after = stale_after
-        self._live.acceptance_max_age = acceptance_max_age
+    def configure(self, config: Scrape) -> None:
+        """The (re)loaded `scrape` section: which engine readings are too old to show."""
+        self._live.config = config
 
     def model(self, name: str | None) -> str:
         """The `model` label for a requested model name: bounded, whatever the client sends."""
@@ -163,11 +163,11 @@ class Metrics:
 
 
 class _LiveState(Collector):
-    def __init__(self, pools: Pools, speeds: SpeedModel, stale_after: float, acceptance_max_age: float) -> None:
+    def __init__(self, pools: Pools, speeds: SpeedModel, clock: Clock) -> None:
         self._pools = pools
         self._speeds = speeds
-        self.stale_after = stale_after
-        self.acceptance_max_age = acceptance_max_age
+        self._clock = clock
+        self.config = Scrape()
 
     def collect(self) -> Iterable[Metric]:
         labels = ["pool", "backend"]
@@ -207,7 +207,8 @@ class _LiveState(Collector):
             "Concurrency from which this speculative backend is predicted slower than the standard pool.",
             ("content",),
         )
-        now = time.monotonic()
+        now = self._clock.now()
+        config = self.config
         standard = [b.name for pool in self._pools if not pool.speculative for b in pool.backends]
         for pool in self._pools:
             for backend in pool.backends:
@@ -215,21 +216,21 @@ class _LiveState(Collector):
                 in_flight.add_metric(key, backend.in_flight)
                 healthy.add_metric(key, float(backend.healthy))
                 draining.add_metric(key, float(backend.draining))
-                oldest_waiting.add_metric(key, backend.oldest_waiting_first_token(now))
-                if backend.acceptance is not None:
-                    ratio, length, measured = backend.acceptance
-                    acceptance_age.add_metric(key, now - measured)
-                    if now - measured <= self.acceptance_max_age:
-                        acceptance.add_metric(key, ratio)
-                        if length is not None:
-                            accept_length.add_metric(key, length)
+                oldest_waiting.add_metric(key, backend.first_tokens.oldest_wait(now))
+                measured = backend.engine.acceptance
+                if measured is not None:
+                    acceptance_age.add_metric(key, now - measured.measured_at)
+                    if now - measured.measured_at <= config.acceptance_max_age:
+                        acceptance.add_metric(key, measured.ratio)
+                        if measured.length is not None:
+                            accept_length.add_metric(key, measured.length)
                 if pool.speculative:
                     for kind in CONTENT_KINDS:
                         level = crossover(self._speeds, backend.name, standard, kind)
                         if level is not None:
                             learned.add_metric([*key, kind], level)
-                engine = backend.engine
-                fresh = engine.fresh(now, self.stale_after)
+                engine = backend.engine.reading
+                fresh = engine.fresh(now, config.stale_after)
                 stale.add_metric(key, float(not fresh))
                 if not fresh:
                     continue

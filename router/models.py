@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
-from router.pools import Backend, Pools
+from router.backends import Backend, Pools
+from router.clock import Clock
 from router.transport import Transport, TransportError
 
 # How often the background refresh asks the backends; a model added to an engine is counted
@@ -20,12 +20,13 @@ REFRESH_SECONDS = 30.0
 
 
 class ModelCatalog:
-    def __init__(self, pools: Pools, transport: Transport, *, ttl: float, timeout: float) -> None:
+    def __init__(self, pools: Pools, transport: Transport, *, clock: Clock) -> None:
         self._pools = pools
         self._transport = transport
+        self._clock = clock
         self._lock = asyncio.Lock()
         self.known: frozenset[str] = frozenset()  # every model id seen since start (never shrinks)
-        self.configure(ttl=ttl, timeout=timeout)
+        self.configure(ttl=0.0, timeout=1.0)
 
     def configure(self, *, ttl: float, timeout: float) -> None:
         """(Re)loaded settings; the backends may have changed, so the cached list goes."""
@@ -36,9 +37,9 @@ class ModelCatalog:
 
     async def models(self) -> list[dict[str, Any]]:
         async with self._lock:  # one refresh at a time; the others take its result
-            if self._cached is None or time.monotonic() - self._fetched_at > self._ttl:
+            if self._cached is None or self._clock.now() - self._fetched_at > self._ttl:
                 self._cached = await self._fetch()
-                self._fetched_at = time.monotonic()
+                self._fetched_at = self._clock.now()
             return self._cached
 
     async def run(self, interval: float = REFRESH_SECONDS) -> None:

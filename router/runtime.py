@@ -1,6 +1,10 @@
 """`Router`: one router's parts, built from its settings, and what an operator does to it while
 it runs — reload the settings, drain and resume backends, shut down gracefully.
 
+`Router.__init__` builds the parts without settings and calls `apply(settings)`: the one place
+where settings reach the parts, at start and on every reload. Each part takes its own section;
+the request path takes one frozen `Plan` (router.plan), swapped whole.
+
 A reload changes the parts in place rather than building new ones: requests under way keep
 their pool and backend, a backend still configured with the same URL keeps its requests in
 flight, health, engine readings and learned speeds, and nothing listening is restarted.
@@ -17,15 +21,19 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from yarl import URL
 
-from router.auth import Auth
+from router.backends import Backend, Pools
+from router.clients import Clients
+from router.clock import Clock, MonotonicClock
 from router.config import ConfigError, Settings, masked
 from router.errors import BadRequest, Conflict, NotFound
+from router.forward import Forwarder
 from router.health import HealthChecker
-from router.learn import SpeedModel, Trust
+from router.learn import SpeedModel
 from router.metrics import Metrics
 from router.models import ModelCatalog
-from router.pools import Backend, Clients, Pools
-from router.proxy import Proxy
+from router.observe import Observer
+from router.pipeline import Pipeline
+from router.plan import Plan, compile_plan
 from router.scrape import EngineScraper
 from router.transport import AiohttpTransport, tls_context
 from router.version import BuildInfo, build_info
@@ -34,7 +42,7 @@ logger = logging.getLogger("specroute")
 
 # Settings that a running router cannot take: its socket is already bound, its log set up, its
 # batch store open, and each connection is held to the client limits it was accepted with (router/listener.py).
-_NEEDS_RESTART = (
+NEEDS_RESTART = (
     "listen.",
     "log.",
     "timeouts.request_head",
@@ -58,57 +66,59 @@ class Router:
         registry: CollectorRegistry | None = None,
         load: Callable[[], Settings] | None = None,
         build: BuildInfo | None = None,
+        clock: Clock | None = None,
     ) -> None:
-        self.settings = settings
         self.build = build if build is not None else build_info()
         self._load = load  # where a reload reads the settings from; None: nowhere
         self.shutting_down = False
-        self.pools = Pools(settings)
-        self.speeds = SpeedModel(_trust(settings))
+        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        # The parts, built without settings: `apply` below is the one place settings reach them.
+        self.pools = Pools()
+        self.speeds = SpeedModel(clock=self.clock)
         self.metrics = Metrics(
             registry if registry is not None else CollectorRegistry(),
             self.pools,
             self.speeds,
-            stale_after=settings.scrape.stale_after,
             build=self.build,
             known_models=self.known_models,
-            acceptance_max_age=settings.scrape.acceptance_max_age,
+            clock=self.clock,
         )
         # One client for everything sent to the engines: requests, scrapes, probes, model lists.
-        self.transport = AiohttpTransport(
-            connections_per_origin=_connections_per_origin(self.pools), tls=tls_context(settings.tls)
-        )
-        self.clients = Clients(
-            memory=settings.classify.client_memory_seconds,
-            burst_hold=settings.classify.burst_hold_seconds,
-            threshold=settings.classify.batch_inflight_threshold,
-        )
-        self.auth = Auth(settings.auth)
-        self.proxy = Proxy(
-            settings,
+        # Its TLS context trusts nothing until `apply` gives it the configured one.
+        self.transport = AiohttpTransport(connections_per_origin=1, tls=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+        self.clients = Clients(clock=self.clock)
+        observer = Observer(self.metrics, self.speeds)
+        self.pipeline = Pipeline(
             pools=self.pools,
             clients=self.clients,
             speeds=self.speeds,
-            metrics=self.metrics,
-            transport=self.transport,
-            auth=self.auth,
+            forwarder=Forwarder(self.pools, self.transport, observer, self.clock),
+            observer=observer,
+            clock=self.clock,
         )
-        self.catalog = ModelCatalog(
-            self.pools, self.transport, ttl=settings.models_cache_seconds, timeout=settings.health.timeout
-        )
-        self.health = HealthChecker(self.pools, self.transport, settings.health)
-        self.scraper = EngineScraper(
-            self.pools,
-            self.transport,
-            interval=settings.scrape.interval,
-            timeout=settings.scrape.timeout,
-            stale_after=settings.scrape.stale_after,
-        )
+        self.catalog = ModelCatalog(self.pools, self.transport, clock=self.clock)
+        self.health = HealthChecker(self.pools, self.transport, clock=self.clock)
+        self.scraper = EngineScraper(self.pools, self.transport, clock=self.clock)
+        self._settings: Settings | None = None
+        self.apply(settings)
+
+    @property
+    def settings(self) -> Settings:
+        """The settings last applied, for what reads them only at start: the server's listening
+        and connection limits (router.listener), which need a restart."""
+        assert self._settings is not None
+        return self._settings
+
+    @property
+    def plan(self) -> Plan:
+        """What the request path reads of the settings now (router.plan)."""
+        plan = self.pipeline.plan
+        assert plan is not None
+        return plan
 
     def known_models(self) -> frozenset[str]:
         """Model names that the metrics count under their own name (see router.metrics)."""
-        configured = {rule.rewrite_model for rule in self.settings.classify.rules if rule.rewrite_model}
-        return self.catalog.known | configured | set(self.settings.metrics.models)
+        return self.catalog.known | self._configured_models
 
     def reload(self) -> dict[str, list[str]]:
         """Read the settings again and apply them; an invalid file changes nothing (BadRequest)."""
@@ -137,34 +147,34 @@ class Router:
                 logger.warning("reload: takes effect only after a restart: %s", ", ".join(result["needs_restart"]))
 
     def apply(self, settings: Settings) -> dict[str, list[str]]:
-        """Take new settings in place; returns the settings that changed, and those of them that
-        only a restart can apply."""
+        """The one mapping of settings onto the parts, at start and on every reload; each part
+        takes its own section. Returns the settings that changed, and those of them that only a
+        restart can apply."""
+        previous = self._settings
         # First, what can fail (a certificate file that is PEM in name only): then nothing has changed.
         # A new TLS context starts new connections (pooled apart), so it is made only when `tls` changed.
-        tls = tls_context(settings.tls) if settings.tls != self.settings.tls else self.transport.tls
-        changed = _differences(masked(self.settings), masked(settings))
-        for name in self.pools.reconcile(settings):
+        tls = tls_context(settings.tls) if previous is None or settings.tls != previous.tls else self.transport.tls
+        plan = compile_plan(settings)
+        changed = _differences(masked(previous), masked(settings)) if previous is not None else []
+        for name in self.pools.configure(settings.pools, settings.health):
             self.speeds.forget(name)
-        self.auth = Auth(settings.auth)
-        self.proxy.configure(settings, self.auth)
-        self.clients.configure(
-            memory=settings.classify.client_memory_seconds,
-            burst_hold=settings.classify.burst_hold_seconds,
-            threshold=settings.classify.batch_inflight_threshold,
-        )
-        # Timeouts and limits go with each request, so they reach pooled connections too.
+        self.clients.configure(settings.classify)
+        # Timeouts and limits go with each request (the plan), so they reach pooled connections too.
         self.transport.configure(connections_per_origin=_connections_per_origin(self.pools), tls=tls)
-        self.metrics.configure(
-            stale_after=settings.scrape.stale_after, acceptance_max_age=settings.scrape.acceptance_max_age
-        )
+        self.metrics.configure(settings.scrape)
         self.catalog.configure(ttl=settings.models_cache_seconds, timeout=settings.health.timeout)
-        self.health.config = settings.health
-        self.scraper.interval = settings.scrape.interval
-        self.scraper.timeout = settings.scrape.timeout
-        self.scraper.stale_after = settings.scrape.stale_after
-        self.speeds.configure(_trust(settings))
-        self.settings = settings
-        return {"changed": changed, "needs_restart": [key for key in changed if key.startswith(_NEEDS_RESTART)]}
+        self.health.configure(settings.health)
+        self.scraper.configure(settings.scrape)
+        self.speeds.configure(settings.learn)
+        self._configured_models = frozenset(
+            {rule.rewrite_model for rule in settings.classify.rules if rule.rewrite_model}
+            | set(settings.metrics.models)
+        )
+        self.grace_seconds = settings.shutdown.grace_seconds
+        self.batch = settings.batch  # the Batch API's section (router.batch)
+        self.pipeline.plan = plan  # last, whole: a request takes the old plan or the new one
+        self._settings = settings
+        return {"changed": changed, "needs_restart": [key for key in changed if key.startswith(NEEDS_RESTART)]}
 
     def set_draining(self, *, pool: str | None = None, backend: str | None = None, draining: bool) -> list[Backend]:
         """Drain (or resume) one backend, or every backend of a pool: a drained backend takes no
@@ -188,14 +198,9 @@ class Router:
     def begin_shutdown(self) -> None:
         """The start of a graceful shutdown: running requests have the grace period to finish."""
         self.shutting_down = True
-        grace = self.settings.shutdown.grace_seconds
+        grace = self.grace_seconds
         logger.info("shutting down: running requests have %g s to finish", grace)
-        asyncio.get_running_loop().call_later(grace, self.proxy.end_all)
-
-
-def _trust(settings: Settings) -> Trust:
-    learn = settings.learn
-    return Trust(min_samples=learn.min_samples, max_interval=learn.max_interval, half_life=learn.half_life)
+        asyncio.get_running_loop().call_later(grace, self.pipeline.end_all)
 
 
 def _connections_per_origin(pools: Pools) -> int:

@@ -1,4 +1,4 @@
-"""What the engines say about their own load, read from their `/metrics`.
+"""Reading what the engines say about their own load from their `/metrics` (into router.engines).
 
 The router's own in-flight counts stay the primary signal: scraped gauges lag by a scrape
 interval and the engine's own update period. What scraping adds is the load that other clients
@@ -29,17 +29,15 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.backends import Backend, Pools
+from router.clock import Clock
+from router.config import Scrape
+from router.engines import EngineLoad
 from router.transport import Transport, TransportError
-
-if TYPE_CHECKING:
-    from router.pools import Backend, Pools
 
 _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
@@ -52,30 +50,6 @@ _ACCEPT_RATE = "sglang:spec_accept_rate"
 _CACHE_INFO = "vllm:cache_config_info"
 
 logger = logging.getLogger("specroute.backends")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """One scrape of one engine. None: the engine does not export that figure."""
-
-    running: float | None = None
-    waiting: float | None = None
-    # Waiting in this scrape and the one before: a queue, not a request caught between its
-    # arrival and the engine's next step.
-    queued: float | None = None
-    kv_usage: float | None = None
-    acceptance: float | None = None  # accepted ÷ drafted tokens since the previous scrape
-    accept_length: float | None = None  # tokens a sequence gains per step (1 + accepted per draft)
-    draft_tokens: float | None = None  # guessed tokens per step and sequence (k)
-    # Requests the engine states its KV cache holds at full length (vLLM's cache_config_info).
-    max_concurrency: float | None = None
-    scraped_at: float = 0.0  # monotonic seconds; 0 = never
-    # This router's requests that the reading surely counts: those sent before the scrape was
-    # asked for and still running when it came back (one sent meanwhile may not have reached it).
-    own_in_flight: int = 0
-
-    def fresh(self, now: float, stale_after: float) -> bool:
-        return self.scraped_at > 0 and now - self.scraped_at <= stale_after
 
 
 def parse(text: str) -> dict[str, list[float]]:
@@ -151,52 +125,52 @@ def engine_load(
 
 
 class EngineScraper:
-    def __init__(
-        self, pools: Pools, transport: Transport, *, interval: float, timeout: float, stale_after: float
-    ) -> None:
+    """Reads every backend's `/metrics` each `scrape.interval` into its `EngineView`."""
+
+    def __init__(self, pools: Pools, transport: Transport, *, clock: Clock) -> None:
         self._pools = pools
         self._transport = transport
-        self.interval = interval  # all three replaced on a reload
-        self.timeout = timeout
-        self.stale_after = stale_after
+        self._clock = clock
+        self._config = Scrape()
         self._previous: dict[str, dict[str, list[float]]] = {}
+
+    def configure(self, config: Scrape) -> None:
+        self._config = config
 
     async def run(self) -> None:
         while True:
             await self.scrape_all()
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(self._config.interval)
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self._scrape(backend) for backend in self._pools.backends()))
 
     async def _scrape(self, backend: Backend) -> None:
+        config, view = self._config, backend.engine
         sent_before = backend.in_flight
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(config.timeout):
                 status, body = await self._transport.get(backend.url + "/metrics", headers=backend.auth_headers)
             if status != 200:
                 raise ValueError(f"/metrics answered {status}")
             values = parse(body.decode("utf-8", "replace"))
         except (TransportError, TimeoutError, ValueError) as exc:
             # The last load stays, and goes stale.
-            now = time.monotonic()
-            if (
-                not backend.scrape_stale
-                and backend.engine.scraped_at
-                and not backend.engine.fresh(now, self.stale_after)
-            ):
-                backend.scrape_stale = True
+            now = self._clock.now()
+            scraped_at = view.reading.scraped_at
+            if not view.stale and scraped_at and not view.reading.fresh(now, config.stale_after):
+                view.stale = True
                 logger.warning(
                     "backend %s (pool %s) engine readings stale (no good scrape for %.1f s: %s)",
                     backend.name,
                     backend.pool,
-                    now - backend.engine.scraped_at,
+                    now - scraped_at,
                     str(exc) or type(exc).__name__,
                 )
             return
-        load = engine_load(values, self._previous.get(backend.name), time.monotonic())
-        backend.observe(dataclasses.replace(load, own_in_flight=min(sent_before, backend.in_flight)))
+        load = engine_load(values, self._previous.get(backend.name), self._clock.now())
+        view.observe(dataclasses.replace(load, own_in_flight=min(sent_before, backend.in_flight)))
         self._previous[backend.name] = values
-        if backend.scrape_stale:
-            backend.scrape_stale = False
+        if view.stale:
+            view.stale = False
             logger.info("backend %s (pool %s) engine readings fresh again", backend.name, backend.pool)

@@ -37,5 +37,5 @@ class RouterServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.router.begin_shutdown()
-        self.config.timeout_graceful_shutdown = round(self.router.settings.shutdown.grace_seconds + _BACKSTOP_SECONDS)
+        self.config.timeout_graceful_shutdown = round(self.router.grace_seconds + _BACKSTOP_SECONDS)
         await super().shutdown(sockets)

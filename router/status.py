@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from router.config import Settings
+from router.backends import Backend, Pools
 from router.content import CONTENT_KINDS
 from router.learn import SpeedModel, crossover
-from router.pools import Backend, Pools
+from router.plan import Plan
 from router.quantiles import percentile
 
 
-def status(settings: Settings, pools: Pools, speeds: SpeedModel) -> dict[str, Any]:
-    now = time.monotonic()
+def status(plan: Plan, pools: Pools, speeds: SpeedModel, *, now: float) -> dict[str, Any]:
     standard = [b.name for pool in pools if not pool.speculative for b in pool.backends]
+    routing = plan.routing
     return {
         "routing": {
-            "mode": settings.routing.mode,
-            "interactive_pool": settings.pool_for("interactive"),
-            "batch_pool": settings.pool_for("batch"),
-            "crossover": settings.routing.crossover,
-            "kv_threshold": settings.routing.kv_threshold,
-            "ttft_target": settings.routing.ttft_target,
+            "mode": routing.mode,
+            "interactive_pool": plan.interactive_pool,
+            "batch_pool": plan.batch_pool,
+            "crossover": routing.crossover,
+            "kv_threshold": routing.kv_threshold,
+            "ttft_target": routing.ttft_target,
         },
         "pools": {
             pool.name: {
@@ -31,7 +30,7 @@ def status(settings: Settings, pools: Pools, speeds: SpeedModel) -> dict[str, An
                 "in_flight": pool.in_flight,
                 "queued": {"interactive": pool.queued("interactive"), "batch": pool.queued("batch")},
                 "backends": {
-                    backend.name: _backend(backend, speeds, standard if pool.speculative else None, now, settings)
+                    backend.name: _backend(backend, speeds, standard if pool.speculative else None, now, plan)
                     for backend in pool.backends
                 },
             }
@@ -41,11 +40,11 @@ def status(settings: Settings, pools: Pools, speeds: SpeedModel) -> dict[str, An
 
 
 def _backend(
-    backend: Backend, speeds: SpeedModel, standard: list[str] | None, now: float, settings: Settings
+    backend: Backend, speeds: SpeedModel, standard: list[str] | None, now: float, plan: Plan
 ) -> dict[str, Any]:
-    engine = backend.engine
-    acceptance = backend.acceptance
-    ttfts = list(backend.recent_ttft)
+    engine = backend.engine.reading
+    acceptance = backend.engine.acceptance
+    ttfts = list(backend.first_tokens.recent)
     curves = {}
     for kind in CONTENT_KINDS:
         curve = speeds.curve(backend.name, kind)
@@ -57,24 +56,24 @@ def _backend(
     view: dict[str, Any] = {
         "healthy": backend.healthy,
         "draining": backend.draining,
-        "ejected_seconds_left": round(max(0.0, backend.ejected_until - now), 3),
+        "ejected_seconds_left": round(backend.outlier.ejected_left(now), 3),
         "in_flight": backend.in_flight,
         "max_concurrency": backend.max_concurrency,
         "engine": {
-            "stale": not engine.fresh(now, settings.scrape.stale_after),
+            "stale": not engine.fresh(now, plan.stale_after),
             "age_seconds": round(now - engine.scraped_at, 3) if engine.scraped_at else None,
             "running": engine.running,
             "waiting": engine.waiting,
             "kv_usage": engine.kv_usage,
             # The last measured, kept while an idle engine drafts nothing (used for routing up to
             # scrape.acceptance_max_age).
-            "acceptance": acceptance[0] if acceptance else None,
-            "accept_length": acceptance[1] if acceptance else None,
-            "acceptance_age_seconds": round(now - acceptance[2], 3) if acceptance else None,
-            "stated_max_concurrency": backend.stated_concurrency,
-            "kv_per_request": round(backend.kv_per_request, 6),
+            "acceptance": acceptance.ratio if acceptance else None,
+            "accept_length": acceptance.length if acceptance else None,
+            "acceptance_age_seconds": round(now - acceptance.measured_at, 3) if acceptance else None,
+            "stated_max_concurrency": backend.engine.stated_concurrency,
+            "kv_per_request": round(backend.engine.kv_per_request(backend.max_concurrency), 6),
         },
-        "oldest_waiting_first_token_seconds": round(backend.oldest_waiting_first_token(now), 3),
+        "oldest_waiting_first_token_seconds": round(backend.first_tokens.oldest_wait(now), 3),
         "ttft_seconds": {
             "p50": percentile(ttfts, 0.5),
             "p95": percentile(ttfts, 0.95),

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
 from router.app import create_app
+from router.clock import Clock
 from router.config import Settings, load_settings
 from tests.fake_engine import FakeEngine
 from tests.servers import ServerThread
@@ -84,11 +85,13 @@ def running_cluster(
     fast_backends: int = 1,
     config_file: Path | None = None,
     clock: Callable[[], float] = time.time,
+    live_clock: Clock | None = None,
     **overrides: Any,
 ) -> Iterator[Cluster]:
     """Fake engines and a router; `fast_backends` > 1 adds engines `fast-2`, ... to pool `fast`.
     With `config_file`, the settings are written there as YAML and a reload reads that file.
-    `clock` is the router's wall clock for the Batch API (expiry tests move it)."""
+    `clock` is the router's wall clock for the Batch API (expiry tests move it); `live_clock`
+    the monotonic clock of its live state (ejection, staleness: tests move a ManualClock)."""
     with ExitStack() as stack:
         fast, team = FakeEngine(), FakeEngine()
         fast_server = stack.enter_context(ServerThread(fast.app()))
@@ -106,7 +109,7 @@ def running_cluster(
         if config_file is not None:
             config_file.write_text(yaml.safe_dump(data))
             load = partial(load_settings, config_file)
-        app = create_app(Settings(**data), registry=registry, load=load, clock=clock)
+        app = create_app(Settings(**data), registry=registry, load=load, clock=clock, live_clock=live_clock)
         router = stack.enter_context(ServerThread(app, fast=True))
         cluster = Cluster(fast, team, router, app, registry)
         cluster.more_fast = more

@@ -59,9 +59,11 @@ class FakeEngine:
     open: int = 0  # requests being served right now
     aborted: int = 0  # requests whose client went away before the end
     healthy: bool = True
+    health_checks: int = 0  # GET /health answered
     # Faults, for the reliability tests.
     fail_status: int | None = None  # answer this status instead...
     fail_count: int = -1  # ...this many times (-1: always)
+    fail_delay: float = 0.0  # ...after this many seconds
     die_after: int | None = None  # drop the connection after this many streamed tokens
     stall_after: int | None = None  # go silent after this many streamed tokens
     script: list[bytes] | None = None  # stream exactly these pieces, each its own write
@@ -106,6 +108,7 @@ class FakeEngine:
         return body
 
     async def _health(self, request: Request) -> Response:
+        self.health_checks += 1
         return Response(status_code=200 if self.healthy else 503)
 
     async def _metrics(self, request: Request) -> Response:
@@ -157,6 +160,7 @@ class FakeEngine:
         if failing:
             self.fail_count -= 1
         if failing or fault == "503":
+            await asyncio.sleep(self.fail_delay if failing else 0.0)
             error = {"message": "overloaded", "type": "ServiceUnavailableError", "param": None, "code": 503}
             return JSONResponse({"error": error}, status_code=self.fail_status or 503)
         if body.get("model") != self.model:

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from router.classify import Classification, Classifier, RequestFacts, client_id
+from router.classify import Classification, Classifier, RequestFacts, UnknownOverride
+from router.clients import client_id
 from router.config import Classify
-from router.errors import BadRequest
 
 RULES = [
     {"name": "etl-key", "job": "batch", "match": {"api_key": "etl-secret"}},
@@ -26,7 +26,7 @@ def _classifier(**config: Any) -> Classifier:
         Classify(**{"rules": RULES, **config}),
         pool_header="X-Route-Pool",
         job_header="X-Job-Type",
-        pools={"fast", "team"},
+        pools=frozenset({"fast", "team"}),
     )
 
 
@@ -80,7 +80,7 @@ def test_classification_table(facts: RequestFacts, expected: Classification) -> 
     ],
 )
 def test_bad_override_headers_are_rejected(headers: dict[str, str], code: str) -> None:
-    with pytest.raises(BadRequest) as caught:
+    with pytest.raises(UnknownOverride) as caught:
         _classifier().classify(RequestFacts(headers=headers))
     assert caught.value.code == code
 

@@ -2,44 +2,61 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from router.pools import Clients
+from router.clients import Clients
+from router.clock import ManualClock
+from router.config import Classify
+
+
+def _clients(clock: ManualClock, **config: Any) -> Clients:
+    clients = Clients(clock=clock)
+    clients.configure(Classify(**config))
+    return clients
 
 
 def test_in_flight_counts_and_forgets_idle_clients() -> None:
-    clients = Clients()
-    clients.start("a", now=0)
-    clients.start("a", now=0)
+    clock = ManualClock()
+    clients = _clients(clock, client_memory_seconds=0)
+    clients.start("a")
+    clients.start("a")
     clients.finish("a")
     assert clients["a"] == 1
     clients.finish("a")
     assert clients["a"] == 0
-    assert clients.load("a", now=1) == 0  # without memory
+    clock.advance(1)
+    assert clients.load("a") == 0  # without memory
 
 
 def test_a_batch_client_is_remembered_with_decay() -> None:
-    clients = Clients(memory=10)
+    clock = ManualClock()
+    clients = _clients(clock, client_memory_seconds=10)
     for _ in range(100):
-        clients.start("etl", now=0)
+        clients.start("etl")
     for _ in range(100):
         clients.finish("etl")
     assert clients["etl"] == 0
-    assert clients.load("etl", now=0) == pytest.approx(100)
-    assert clients.load("etl", now=10) == pytest.approx(50)  # halved every 10 s
-    assert clients.load("etl", now=70) < 1
+    assert clients.load("etl") == pytest.approx(100)
+    clock.advance(10)
+    assert clients.load("etl") == pytest.approx(50)  # halved every 10 s
+    clock.advance(60)
+    assert clients.load("etl") < 1
     # A new burst that beats the faded peak becomes the new peak.
     for _ in range(3):
-        clients.start("etl", now=70)
-    assert clients.load("etl", now=70) == 3
+        clients.start("etl")
+    assert clients.load("etl") == 3
 
 
 def test_memory_is_bounded() -> None:
-    clients = Clients(memory=1)
+    clock = ManualClock()
+    clients = _clients(clock, client_memory_seconds=1)
     for number in range(Clients._PURGE_AT + 5):
-        clients.start(f"c{number}", now=0)
+        clients.start(f"c{number}")
         clients.finish(f"c{number}")
-    clients.start("late", now=100)  # everyone before has faded: purged
+    clock.advance(100)
+    clients.start("late")  # everyone before has faded: purged
     assert len(clients._peaks) <= 6
 
 
@@ -47,7 +64,7 @@ def test_memory_is_bounded() -> None:
 async def test_a_new_clients_burst_is_held_until_it_shows_itself() -> None:
     import asyncio
 
-    clients = Clients(burst_hold=30.0, threshold=4)
+    clients = _clients(ManualClock(), client_memory_seconds=0, burst_hold_seconds=30.0, batch_inflight_threshold=4)
     seen: list[float] = []
 
     async def request() -> None:
@@ -65,7 +82,7 @@ async def test_a_lone_first_request_waits_only_the_hold() -> None:
     import asyncio
     import time
 
-    clients = Clients(burst_hold=0.05, threshold=4)
+    clients = _clients(ManualClock(), client_memory_seconds=0, burst_hold_seconds=0.05, batch_inflight_threshold=4)
     clients.start("dev")
     started = time.monotonic()
     await asyncio.wait_for(clients.settle("dev"), 10)  # the hold ends by itself

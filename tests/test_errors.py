@@ -133,7 +133,7 @@ def test_unreachable_backend_is_502_then_503(make_cluster: Any) -> None:
             assert response.headers["retry-after"].isdigit()
             assert httpx.get(cluster.router.url + "/readyz").json()["backends"]["fast-1"] is False
             # Pretend the checker saw it up: the request itself now meets the dead port.
-            cluster.app.state.router.pools["fast"].backends[0].healthy = True
+            cluster.app.state.router.pools["fast"].backends[0].outlier.healthy = True
             response = httpx.post(cluster.base_url + "/completions", json={"model": "test-model"}, headers=pinned)
             _assert_openai_error(response, 502, "upstream_unreachable")
             assert (

@@ -4,29 +4,23 @@ tokens, short answers apart, old answers fading on an injected clock."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.classify import Classification
+from router.clock import ManualClock
 from router.config import Routing
 from router.content import ContentKind
 from router.learn import Estimate, SpeedModel, Trust, crossover
 from router.policy import Policy, PoolState
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _model(**trust: float) -> tuple[SpeedModel, Clock]:
-    clock = Clock()
-    return SpeedModel(Trust(**trust), clock=clock), clock  # type: ignore[arg-type]
+def _model(**trust: Any) -> tuple[SpeedModel, ManualClock]:
+    clock = ManualClock()
+    return SpeedModel(Trust(**trust), clock=clock), clock
 
 
 def _feed(
@@ -93,7 +87,7 @@ def test_a_short_answer_does_not_move_what_long_answers_taught() -> None:
 def test_old_answers_fade_with_the_clock() -> None:
     model, clock = _model(min_samples=8, half_life=60, max_interval=1.0)
     _feed(model, "f", 1, 100, times=10)
-    clock.now += 60  # each answer now counts half: 5 of the 8 needed
+    clock.advance(60)  # each answer now counts half: 5 of the 8 needed
     assert model.predict("f", "prose", 1) is None
     _feed(model, "f", 1, 50, times=10)  # what the engine does now outweighs what it did then
     estimate = model.predict("f", "prose", 1)
@@ -151,7 +145,7 @@ def test_noise_never_flips_the_decision(seed: int, answers: int, spec_faster: bo
                 speed=speed * rng.uniform(0.7, 1.3),
                 tokens=rng.randint(64, long_tokens),
             )
-        clock.now += rng.uniform(0, 5)
+        clock.advance(rng.uniform(0, 5))
     fast, team = model.predict("fast-1", "prose", LOAD), model.predict("team-1", "prose", LOAD, fallback=True)
     # The prior (the configured crossover) agrees with the truth; only noise could make it wrong.
     crossover: dict[ContentKind, int] = {"prose": 99 if spec_faster else 2, "code": 16}

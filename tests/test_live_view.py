@@ -11,10 +11,12 @@ from typing import Any
 import httpx
 import pytest
 
+from router.backends import Pools
+from router.clock import ManualClock
 from router.config import Settings
+from router.engines import EngineLoad
 from router.learn import SpeedModel
-from router.pools import Pools
-from router.scrape import EngineLoad
+from router.snapshot import snapshot
 from tests.conftest import Cluster
 
 TTFT = "specroute_time_to_first_token_seconds_count"
@@ -119,11 +121,28 @@ def test_acceptance_is_used_until_older_than_its_max_age() -> None:
             "scrape": {"acceptance_max_age": 300},
         }
     )
-    backend = Pools(settings)["fast"].backends[0]
-    backend.observe(EngineLoad(acceptance=0.8, accept_length=3.4, scraped_at=100.0))
-    backend.observe(EngineLoad(running=0, scraped_at=101.0))  # idle: nothing drafted
-    assert backend.accept_length(now=399.0, max_age=300) == 3.4
-    assert backend.accept_length(now=401.0, max_age=300) is None
+    engine = _pools(settings)["fast"].backends[0].engine
+    engine.observe(EngineLoad(acceptance=0.8, accept_length=3.4, scraped_at=100.0))
+    engine.observe(EngineLoad(running=0, scraped_at=101.0))  # idle: nothing drafted
+    assert engine.accept_length(now=399.0, max_age=300) == 3.4
+    assert engine.accept_length(now=401.0, max_age=300) is None
+
+
+def _pools(settings: Settings) -> Pools:
+    pools = Pools()
+    pools.configure(settings.pools, settings.health)
+    return pools
+
+
+def _snapshot(pools: Pools, settings: Settings, *, now: float) -> dict[str, Any]:
+    return snapshot(
+        pools,
+        SpeedModel(),
+        now=now,
+        stale_after=settings.scrape.stale_after,
+        kv_threshold=settings.routing.kv_threshold,
+        acceptance_max_age=settings.scrape.acceptance_max_age,
+    )
 
 
 def _settings() -> Settings:
@@ -139,9 +158,9 @@ def test_requests_waiting_count_as_a_queue_only_while_the_engine_has_no_room(kv:
     """At 16 users, requests seen waiting at one instant spilled while the engine had free slots
     and KV headroom; they were on their way in, not queueing."""
     settings = _settings()
-    pools = Pools(settings)
-    pools["fast"].backends[0].observe(EngineLoad(running=4, waiting=2, queued=2, kv_usage=kv, scraped_at=100.0))
-    state = pools.snapshot(SpeedModel(), settings, now=100.5)
+    pools = _pools(settings)
+    pools["fast"].backends[0].engine.observe(EngineLoad(running=4, waiting=2, queued=2, kv_usage=kv, scraped_at=100.0))
+    state = _snapshot(pools, settings, now=100.5)
     assert state["fast"].engine_queued == queue
 
 
@@ -150,15 +169,17 @@ def test_engine_readings_going_stale_and_fresh_again_are_logged(
 ) -> None:
     """Unhealthy, ejected and back: tests/test_logs.py. Here: an engine whose /metrics stops answering."""
     caplog.set_level(logging.INFO, logger="specroute.backends")
-    with make_cluster(scrape={"interval": 0.02, "stale_after": 0.2}) as cluster:
+    clock = ManualClock()  # the router's live clock: readings go stale when the test says so
+    with make_cluster(scrape={"interval": 0.02, "stale_after": 5}, live_clock=clock) as cluster:
         backend = cluster.app.state.router.pools["fast"].backends[0]
 
         def logged(text: str) -> list[logging.LogRecord]:
             return [r for r in caplog.records if r.name == "specroute.backends" and text in r.getMessage()]
 
         cluster.fast.metrics = _spec_counters(1, 1)
-        assert _until(lambda: backend.engine.scraped_at > 0)
+        assert _until(lambda: backend.engine.reading.scraped_at > 0)
         cluster.fast.metrics = None  # /metrics now answers 404
+        clock.advance(6)  # past stale_after since the last good reading
         [stale] = _until(lambda: logged("backend fast-1 (pool fast) engine readings stale"))
         assert stale.levelno == logging.WARNING and "/metrics answered 404" in stale.getMessage()
         cluster.fast.metrics = _spec_counters(1, 1)
@@ -170,14 +191,14 @@ def test_missed_scrapes_do_not_open_the_gate_to_a_full_speculative_engine() -> N
     """Scrapes that time out (a busy machine) leave no fresh reading: the KV the router's own
     requests take still says the speculative engine is full."""
     settings = _settings()
-    pools = Pools(settings)
+    pools = _pools(settings)
     backend = pools["fast"].backends[0]
-    backend.observe(EngineLoad(running=7, waiting=0, queued=0, kv_usage=0.7, scraped_at=100.0, own_in_flight=7))
+    backend.engine.observe(EngineLoad(running=7, waiting=0, queued=0, kv_usage=0.7, scraped_at=100.0, own_in_flight=7))
     backend.in_flight = 7
-    fresh = pools.snapshot(SpeedModel(), settings, now=100.5)["fast"].kv_usage
+    fresh = _snapshot(pools, settings, now=100.5)["fast"].kv_usage
     assert fresh == pytest.approx(0.8)
-    later = pools.snapshot(SpeedModel(), settings, now=100.0 + settings.scrape.stale_after + 1)
+    later = _snapshot(pools, settings, now=100.0 + settings.scrape.stale_after + 1)
     assert later["fast"].kv_usage == pytest.approx(0.8)  # stale: 7 of its own and the next, at 0.1
     backend.in_flight = 9
-    later = pools.snapshot(SpeedModel(), settings, now=100.0 + settings.scrape.stale_after + 1)
+    later = _snapshot(pools, settings, now=100.0 + settings.scrape.stale_after + 1)
     assert later["fast"].kv_usage == pytest.approx(1.0)

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from router.clock import ManualClock
 from router.logs import JsonFormatter, TextFormatter
 from tests.conftest import Cluster
 
@@ -139,8 +140,12 @@ def _wait_for_line(caplog: pytest.LogCaptureFixture, text: str) -> logging.LogRe
 
 
 def test_backend_state_changes_are_logged_once_each(make_cluster: Any, caplog: pytest.LogCaptureFixture) -> None:
-    health = {"interval": 0.05, "unhealthy_after": 2, "healthy_after": 2, "eject_after": 1, "ejection_seconds": 0.2}
-    with caplog.at_level(logging.INFO, logger="specroute.backends"), make_cluster(health=health) as cluster:
+    health = {"interval": 0.05, "unhealthy_after": 2, "healthy_after": 2, "eject_after": 1, "ejection_seconds": 10}
+    clock = ManualClock()  # the router's live clock: the ejection ends when the test says so
+    with (
+        caplog.at_level(logging.INFO, logger="specroute.backends"),
+        make_cluster(health=health, live_clock=clock) as cluster,
+    ):
         cluster.fast.healthy = False
         down = _wait_for_line(caplog, "backend fast-1 (pool fast) unhealthy: 2 health checks failed")
         assert down.levelno == logging.WARNING
@@ -150,8 +155,9 @@ def test_backend_state_changes_are_logged_once_each(make_cluster: Any, caplog: p
         cluster.fast.fail_status, cluster.fast.fail_count = 503, 1
         answer = httpx.post(cluster.base_url + "/completions", json={"model": "test-model", "prompt": "x"})
         assert answer.status_code == 200
-        _wait_for_line(caplog, "backend fast-1 (pool fast) ejected for 0.2 s: 1 requests failed in a row")
+        _wait_for_line(caplog, "backend fast-1 (pool fast) ejected for 10 s: 1 requests failed in a row")
         # Back through its health checks once the ejection time is over.
+        clock.advance(10)
         deadline = time.monotonic() + 5
         while len([r for r in caplog.records if " healthy:" in r.getMessage()]) < 2:
             assert time.monotonic() < deadline, "the ejected backend never came back"

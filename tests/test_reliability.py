@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from router.clock import ManualClock
 from tests.conftest import Cluster
 from tests.wait import wait_until
 
@@ -34,7 +35,7 @@ def _events(response: httpx.Response) -> list[str]:
 
 def test_refused_connection_is_retried_on_the_other_pool_before_the_first_byte(make_cluster: Any) -> None:
     with dead_url() as dead, make_cluster(pools={"fast": {"backends": {"fast-1": {"url": dead}}}}) as cluster:
-        cluster.app.state.router.pools["fast"].backends[0].healthy = True  # as if the engine just died
+        cluster.app.state.router.pools["fast"].backends[0].outlier.healthy = True  # as if the engine just died
         response = _post(cluster, stream=True)
         assert response.status_code == 200
         assert response.headers["x-route-pool"] == "team"
@@ -75,6 +76,20 @@ def test_when_every_place_fails_the_last_upstream_answer_is_passed_on(cluster: C
     assert (len(cluster.fast.requests), len(cluster.team.requests)) == (1, 1)  # each place once
 
 
+def test_when_the_deadline_ends_the_retries_the_engines_own_answer_is_passed_on(make_cluster: Any) -> None:
+    """`retries.deadline`, not `attempts`, ends the loop: the client gets the engine's 503 and
+    body, as when the attempts run out, not the router's 502 saying it answered 503."""
+    with make_cluster(retries={"attempts": 3, "deadline": 0.05}) as cluster:
+        cluster.fast.fail_status = cluster.team.fail_status = 503
+        cluster.fast.fail_delay = 0.2  # the deadline has passed when the first answer comes
+        response = _post(cluster)
+        assert response.status_code == 503
+        assert response.json()["error"]["message"] == "overloaded"  # the engine's own body, unchanged
+        assert response.headers["x-route-backend"] == "fast-1"
+        assert (len(cluster.fast.requests), len(cluster.team.requests)) == (1, 0)  # no new attempt
+        assert cluster.metric("specroute_retries_total", pool="fast", backend="fast-1", reason="http_503") == 0
+
+
 def test_retry_budget_caps_retries(make_cluster: Any) -> None:
     with make_cluster(retries={"budget": 0, "min_concurrent": 0}) as cluster:
         cluster.fast.fail_status = 503
@@ -108,31 +123,38 @@ def test_stalled_stream_ends_with_one_error_event_at_the_idle_timeout(make_clust
 
 
 def test_failing_backend_is_ejected_for_growing_times_and_readmitted(make_cluster: Any) -> None:
-    # Ejection times long enough that a busy machine's pauses do not end one behind the test's back.
-    health = {"interval": 0.05, "eject_after": 2, "ejection_seconds": 1.0, "healthy_after": 1}
-    with make_cluster(health=health, routing={"mode": "static"}) as cluster:
+    # The router's live clock is the test's: ejection times pass when the test says so.
+    clock = ManualClock()
+    health = {"interval": 0.05, "eject_after": 2, "ejection_seconds": 10.0, "healthy_after": 1}
+    with make_cluster(health=health, routing={"mode": "static"}, live_clock=clock) as cluster:
         backend = cluster.app.state.router.pools["fast"].backends[0]
+        outlier = backend.outlier
         cluster.fast.fail_status = 503
         for _ in range(2):
             assert _post(cluster).headers["x-route-pool"] == "team"  # failed over each time
-        assert backend.healthy is False and backend.ejections == 1
-        assert backend.ejected_for == 1.0
-        assert 0 < backend.ejected_until - time.monotonic() <= 1.0
+        assert backend.healthy is False and outlier.ejections == 1
+        assert outlier.ejected_for == 10.0
+        assert outlier.ejected_left(clock.now()) == 10.0
         # While ejected, nothing is sent there even though /health answers 200.
+        probes = cluster.fast.health_checks
+        wait_until(lambda: cluster.fast.health_checks >= probes + 3, message="probes while ejected")
+        assert backend.healthy is False
         seen = len(cluster.fast.requests)
         _post(cluster)
         assert len(cluster.fast.requests) == seen
         # After its time the health checker readmits it; it fails twice more: twice as long out.
+        clock.advance(10.0)
         wait_until(lambda: backend.healthy, message="readmitted after its ejection")
         for _ in range(2):
             _post(cluster)
-        assert backend.ejections == 2
-        assert backend.ejected_for == 2.0  # twice as long: it failed again before any success
+        assert outlier.ejections == 2
+        assert outlier.ejected_for == 20.0  # twice as long: it failed again before any success
         # Once it works again it comes back and stays.
         cluster.fast.fail_status = None
+        clock.advance(20.0)
         wait_until(lambda: backend.healthy, message="readmitted once it works")
         assert _post(cluster).headers["x-route-pool"] == "fast"
-        assert backend.ejections == 0
+        assert outlier.ejections == 0
 
 
 def test_active_checks_take_a_backend_out_and_back_by_thresholds(make_cluster: Any) -> None:

@@ -6,7 +6,6 @@ import asyncio
 import json
 import ssl
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -15,8 +14,9 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from router.config import Settings
-from router.pools import Pools
+from router.backends import Pools
+from router.clock import ManualClock, MonotonicClock
+from router.config import Scrape, Settings
 from router.scrape import EngineScraper, engine_load, parse
 from router.sim.profile import load_profile
 from router.sim.server import create_sim_app
@@ -136,17 +136,19 @@ def test_scraper_reads_a_simulated_engine_over_http() -> None:
         settings = Settings(
             pools={"fast": {"speculative": True, "backends": {"f1": {"url": engine.url}}}}  # type: ignore[dict-item]
         )
-        pools = Pools(settings)
+        pools = Pools()
+        pools.configure(settings.pools, settings.health)
 
         async def scenario() -> None:
             upstream = AiohttpTransport(connections_per_origin=64, tls=ssl.create_default_context())
-            scraper = EngineScraper(pools, upstream, interval=0.05, timeout=1, stale_after=5)
+            scraper = EngineScraper(pools, upstream, clock=MonotonicClock())
+            scraper.configure(Scrape(interval=0.05, timeout=1, stale_after=5))
             requests: list[asyncio.Task[Any]] = []
             try:
                 await scraper.scrape_all()
                 # The engine states its capacity before any load: 2,097,152 tokens of KV cache, each
                 # request reserving its default answer (2,048) and the profile's overhead (86,933).
-                assert pools["fast"].backends[0].stated_concurrency == pytest.approx(23.57, abs=0.01)
+                assert pools["fast"].backends[0].engine.stated_concurrency == pytest.approx(23.57, abs=0.01)
                 body = json.dumps(
                     {"model": fast.model, "prompt": "def f(x):\n    return x", "max_tokens": 512, "ignore_eos": True}
                 ).encode()
@@ -172,12 +174,12 @@ def test_scraper_reads_a_simulated_engine_over_http() -> None:
                     # (a simulated second, dozens of steps) apart.
                     nonlocal showing_all
                     await scraper.scrape_all()
-                    load = backend.engine  # each scrape makes a new reading
+                    load = backend.engine.reading  # each scrape makes a new reading
                     showing_all = showing_all + 1 if (load.running or 0) + (load.waiting or 0) == 30 else 0
                     return showing_all >= 2 and load.acceptance is not None
 
                 await until(all_there_on_two_scrapes, interval=0.5, timeout=30, message="two readings of all 30")
-                load = backend.engine
+                load = backend.engine.reading
                 assert load.queued == 7
                 assert load.running == 23 and load.waiting == 7  # the fast profile's KV limit
                 assert load.kv_usage is not None and load.kv_usage > 0.9
@@ -206,12 +208,15 @@ def test_a_request_sent_while_a_scrape_is_out_counts_on_top_of_its_reading() -> 
         settings = Settings(
             pools={"fast": {"speculative": True, "backends": {"f1": {"url": engine.url}}}}  # type: ignore[dict-item]
         )
-        pools = Pools(settings)
+        pools = Pools()
+        pools.configure(settings.pools, settings.health)
         pool = pools["fast"]
+        clock = ManualClock()
 
         async def scenario() -> int:
             upstream = AiohttpTransport(connections_per_origin=64, tls=ssl.create_default_context())
-            scraper = EngineScraper(pools, upstream, interval=1, timeout=5, stale_after=5)
+            scraper = EngineScraper(pools, upstream, clock=clock)
+            scraper.configure(Scrape(interval=1, timeout=5, stale_after=5))
             try:
                 scrape = asyncio.create_task(scraper.scrape_all())
                 await asyncio.to_thread(asked.wait, 5)
@@ -220,7 +225,7 @@ def test_a_request_sent_while_a_scrape_is_out_counts_on_top_of_its_reading() -> 
                 await scrape
             finally:
                 await upstream.aclose()
-            return backend.concurrency(time.monotonic(), stale_after=5)
+            return backend.concurrency(clock.now(), stale_after=5)
 
         assert asyncio.run(scenario()) == 4
 

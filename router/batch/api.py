@@ -66,7 +66,7 @@ class _Api:
 
     def _owner(self, request: Request) -> str:
         key = bearer(request.headers.get("authorization"))
-        self._service.router.auth.check_client(key)
+        self._service.router.plan.auth.check_client(key)
         return "key:" + hashlib.sha256(key.encode()).hexdigest() if key else "anonymous"
 
     # Files.
@@ -156,12 +156,12 @@ class _Api:
         return JSONResponse({"id": record.id, "object": "file", "deleted": deleted})
 
     def _parse(self, content: IO[bytes]) -> Iterator[files.Request]:
-        settings = self._service.router.settings
+        plan = self._service.router.plan
         return files.parse(
             content,
-            max_lines=settings.batch.max_lines,
-            max_depth=settings.limits.json_depth,
-            max_line_bytes=settings.max_body_bytes,
+            max_lines=self._service.config.max_lines,
+            max_depth=plan.json_depth,
+            max_line_bytes=plan.max_body_bytes,
         )
 
     # Batches.
@@ -172,12 +172,12 @@ class _Api:
             raw = await read_body(
                 request.receive,
                 limit=_JSON_LIMIT,
-                within=self._service.router.settings.timeouts.client_body,
+                within=self._service.router.plan.client_body_seconds,
                 declared=request.headers.get("content-length"),
             )
         except ClientGone:
             return Response(status_code=499)  # nobody is left to answer
-        params = parse_json(raw, max_depth=self._service.router.settings.limits.json_depth)
+        params = parse_json(raw, max_depth=self._service.router.plan.json_depth)
         if not isinstance(params, dict):
             raise BadRequest("request body must be a JSON object", code="invalid_json")
         endpoint, window, file_id = params.get("endpoint"), params.get("completion_window"), params.get("input_file_id")

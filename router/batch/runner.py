@@ -34,10 +34,10 @@ from anyio.abc import TaskGroup
 from starlette.types import Message
 
 from router.auth import INTERNAL_SCOPE_KEY
+from router.backends import Pool
 from router.batch.metrics import BatchMetrics
 from router.batch.store import BatchRecord, BatchStatus, Line, Store
 from router.config import Batch as BatchConfig
-from router.pools import Pool
 
 if TYPE_CHECKING:
     from router.runtime import Router
@@ -77,7 +77,7 @@ class Runner:
 
     @property
     def config(self) -> BatchConfig:
-        return self._router.settings.batch
+        return self._router.batch
 
     def wake(self) -> None:
         """Look for work now (a batch was created or cancelled, a line finished)."""
@@ -169,17 +169,19 @@ class Runner:
 
     def _pushed_back(self, pool: Pool) -> bool:
         """Whether live traffic on the batch pool shows strain: queueing, or first tokens slowing."""
-        now = time.monotonic()
-        stale_after = self._router.settings.scrape.stale_after
+        now = self._router.clock.now()
+        stale_after = self._router.plan.stale_after
         if pool.queued():
             return True
         # A request just sent waits inside the engine until its next step: only requests waiting
         # at two looks running mean the engine is full (as the routing policy reads it).
-        waiting = any(b.engine.fresh(now, stale_after) and (b.engine.waiting or 0) > 0 for b in pool.backends)
+        waiting = any(
+            b.engine.reading.fresh(now, stale_after) and (b.engine.reading.waiting or 0) > 0 for b in pool.backends
+        )
         waited_before, self._engine_waited = self._engine_waited, waiting
         if waiting and waited_before:
             return True
-        recent = tuple(t for b in pool.backends for t in list(b.recent_ttft)[-_TTFT_SAMPLES:])
+        recent = tuple(t for b in pool.backends for t in list(b.first_tokens.recent)[-_TTFT_SAMPLES:])
         if len(recent) < _TTFT_MIN_SAMPLES or recent == self._ttft_seen:
             return False  # too few live first tokens to judge, or none new since the last tick
         self._ttft_seen = recent
@@ -191,7 +193,7 @@ class Runner:
     # Starting lines.
 
     def _pool(self) -> Pool | None:
-        return self._router.pools.get(self._router.settings.pool_for("batch"))
+        return self._router.pools.get(self._router.plan.batch_pool)
 
     def _room(self) -> int:
         """How many more lines may start now."""
@@ -202,17 +204,17 @@ class Runner:
         free = 0
         if pool is not None and pool.accepting and not pool.queued():
             free = max(0, _free_slots(pool) - reserve)
-        settings = self._router.settings
-        spec = self._router.pools.get(settings.pool_for("interactive"))
+        plan = self._router.plan
+        spec = self._router.pools.get(plan.interactive_pool)
         if (
-            settings.routing.batch_may_use_speculative
+            plan.routing.batch_may_use_speculative
             and spec is not None
             and spec is not pool
             and (pool is None or not pool.accepting or _free_slots(pool) == 0)
             and not spec.queued()
         ):
             # Idle room only: below the concurrency at which interactive users would feel it.
-            idle = min(settings.routing.crossover.values()) - spec.in_flight
+            idle = min(plan.routing.crossover.values()) - spec.in_flight
             free += max(0, min(idle, _free_slots(spec) - reserve))
         # Lines started and not yet admitted do not show in the pools' counts yet.
         return min(free - self._starting, self.limit - self.in_flight)
@@ -293,7 +295,7 @@ class Runner:
     async def _call(self, line: Line, request_id: str) -> tuple[int, Any]:
         """The line through the router's own request path; its status and JSON body."""
         body = line.body.encode()
-        job_header = self._router.settings.headers.job.lower().encode()
+        job_header = self._router.plan.job_header.encode()
         scope: dict[str, Any] = {
             "type": "http",
             "asgi": {"version": "3.0"},
@@ -341,7 +343,7 @@ class Runner:
                 chunks.append(message.get("body", b""))
 
         try:
-            await self._router.proxy(scope, receive, send)
+            await self._router.pipeline(scope, receive, send)
         finally:
             if not admitted:  # answered before it reached a pool (an error of its own)
                 self._starting -= 1

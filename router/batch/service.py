@@ -37,13 +37,13 @@ class BatchService:
         self._store: Store | None = None
         self._runner: Runner | None = None
         self._task: asyncio.Task[None] | None = None
-        self._enabled = router.settings.batch.enabled  # read once, like the store's settings
-        self._settings = router.settings.batch
+        self._enabled = router.batch.enabled  # read once, like the store's settings
+        self._started_with = router.batch  # the store's settings, as the router started
         self._unavailable: str | None = None  # why the store could not be opened
 
     @property
     def config(self) -> BatchConfig:
-        return self.router.settings.batch
+        return self.router.batch
 
     @property
     def store(self) -> Store:
@@ -95,7 +95,7 @@ class BatchService:
         await self.runner.run()
 
     def _connect(self) -> Store:
-        config = self._settings  # as the router started: a reload cannot move the store
+        config = self._started_with  # as the router started: a reload cannot move the store
         if config.store == "sqlite":
             return SqliteStore(config.store_dir)
         dsn = config.postgres_dsn()
@@ -110,7 +110,7 @@ class BatchService:
 
     def _where(self) -> str:
         """The store, named for the status page and the log: never the DSN (it may hold a password)."""
-        config = self._settings
+        config = self._started_with
         if config.store == "sqlite":
             return str(SqliteStore.file(config.store_dir))
         return f"postgres (DSN in ${config.postgres_dsn_env})"

@@ -1,4 +1,4 @@
-"""The pool queue on its own: priority, bounds, hand-over on cancellation."""
+"""The pool queue on its own: priority, bounds, hand-over on cancellation; the engine view's KV projection."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import asyncio
 
 import pytest
 
+from router.backends import Backend, Pool, Pools
 from router.config import Backend as BackendConfig
 from router.config import Settings
+from router.engines import EngineLoad
 from router.errors import NoBackendAvailable
-from router.pools import Backend, Pool, Pools
 
 
 def _pool(*, slots: int = 1, queue_size: int = 8, queue_timeout: float = 5.0) -> Pool:
@@ -56,7 +57,7 @@ async def test_least_loaded_backend_is_chosen() -> None:
 @pytest.mark.anyio
 async def test_unhealthy_backends_are_skipped_and_a_dead_pool_fails_fast() -> None:
     pool = _pool(slots=4)
-    pool.backends[0].healthy = False
+    pool.backends[0].outlier.healthy = False
     with pytest.raises(NoBackendAvailable) as caught:
         await pool.acquire("interactive")
     assert caught.value.code == "pool_unavailable"
@@ -124,15 +125,11 @@ async def test_slot_freed_while_a_cancelled_waiter_is_still_queued_goes_to_the_n
 
 
 def test_kv_usage_is_projected_with_the_requests_sent_since_the_scrape() -> None:
-    import time as clock
-
-    from router.scrape import EngineLoad
-
+    now = 100.0
     backend = Backend("b1", "p", BackendConfig(url="http://127.0.0.1:1", max_concurrency=64))
-    assert backend.kv_projected(clock.monotonic(), 5) is None  # nothing scraped yet
+    assert backend.kv_projected(now, 5) is None  # nothing scraped yet
     backend.in_flight = 10
-    backend.observe(EngineLoad(running=10, waiting=0, kv_usage=0.40, scraped_at=clock.monotonic(), own_in_flight=10))
-    now = clock.monotonic()
+    backend.engine.observe(EngineLoad(running=10, waiting=0, kv_usage=0.40, scraped_at=now, own_in_flight=10))
     assert backend.kv_projected(now, 5) == pytest.approx(0.44)  # 4 % a request, the next one included
     backend.in_flight = 15  # five more sent since the scrape: the engine has not reported them yet
     assert backend.kv_projected(now, 5) == pytest.approx(0.64)
@@ -166,10 +163,14 @@ def test_reconcile_keeps_a_backend_with_the_same_url_and_names_the_others() -> N
         pools = {"p": {"speculative": True, "backends": {n: {"url": u} for n, u in backends.items()}}}
         return Settings(pools=pools)  # type: ignore[arg-type]
 
-    pools = Pools(settings(a="http://a:1", b="http://b:1", c="http://c:1"))
+    def configure(pools: Pools, settings: Settings) -> set[str]:
+        return pools.configure(settings.pools, settings.health)
+
+    pools = Pools()
+    configure(pools, settings(a="http://a:1", b="http://b:1", c="http://c:1"))
     a = pools["p"].backends[0]
-    a.in_flight, a.healthy = 3, False
-    replaced = pools.reconcile(settings(a="http://a:1", b="http://b:2", d="http://d:1"))
+    a.in_flight, a.outlier.healthy = 3, False
+    replaced = configure(pools, settings(a="http://a:1", b="http://b:2", d="http://d:1"))
     kept = {backend.name: backend for backend in pools["p"].backends}
     assert kept["a"] is a and (a.in_flight, a.healthy) == (3, False)
     assert replaced == {"b", "c", "d"}

@@ -1,0 +1,283 @@
+"""The router's slots on its backends, and each pool's bounded queue.
+
+A request takes a slot with `await pool.acquire(job)` and gives it back with `pool.release()`.
+When every healthy backend is at `max_concurrency`, it waits in the pool's queue, interactive
+requests ahead of batch ones, until a slot frees, the queue wait runs out, or it is cancelled.
+A queued request is not yet bound to a backend, so the queue belongs to the pool.
+
+A `Backend` is the router's slots on one engine plus its parts of other concerns, each kept
+apart: `outlier` (health and ejection, router.outlier), `engine` (what the engine says of its
+load, router.engines), `first_tokens` (streams waiting for theirs, recent first-token times).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections import deque
+from collections.abc import Iterator, Mapping
+
+from router.config import Backend as BackendConfig
+from router.config import Health as HealthConfig
+from router.config import JobClass
+from router.config import Pool as PoolConfig
+from router.engines import EngineView
+from router.errors import NoBackendAvailable
+from router.outlier import Outlier
+
+_EWMA = 0.2  # weight of the newest request duration in the pool's running mean
+
+
+class FirstTokens:
+    """Streams sent to a backend that have no first token yet, and its recent first-token times."""
+
+    def __init__(self) -> None:
+        self.recent: deque[float] = deque(maxlen=256)
+        self._waiting: dict[object, float] = {}  # a token of each stream -> when it was sent
+
+    def waiting(self, token: object, now: float) -> None:
+        self._waiting[token] = now
+
+    def arrived(self, token: object, ttft: float) -> None:
+        """A stream's first token arrived (`ttft` seconds after it reached the router)."""
+        if self._waiting.pop(token, None) is not None:
+            self.recent.append(ttft)
+
+    def forget(self, token: object) -> None:
+        self._waiting.pop(token, None)
+
+    def oldest_wait(self, now: float) -> float:
+        """Seconds the oldest stream sent here has waited without a first token (0: none waits)."""
+        return now - min(self._waiting.values()) if self._waiting else 0.0
+
+
+class Backend:
+    def __init__(self, name: str, pool: str, config: BackendConfig) -> None:
+        self.name = name
+        self.pool = pool
+        self.url = config.url
+        self.api_key = config.api_key()
+        self.max_concurrency = config.max_concurrency
+        self.in_flight = 0
+        self.draining = False  # set by an operator: no new work, running requests finish
+        self.outlier = Outlier(name, pool)
+        self.engine = EngineView()
+        self.first_tokens = FirstTokens()
+
+    def configure(self, config: BackendConfig) -> None:
+        """A reloaded configuration for the same backend (same name and URL)."""
+        self.api_key = config.api_key()
+        self.max_concurrency = config.max_concurrency
+
+    @property
+    def healthy(self) -> bool:
+        return self.outlier.healthy
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new work may go here: healthy and not being drained."""
+        return self.outlier.healthy and not self.draining
+
+    @property
+    def has_room(self) -> bool:
+        return self.accepting and self.in_flight < self.max_concurrency
+
+    @property
+    def load(self) -> float:
+        return self.in_flight / self.max_concurrency
+
+    @property
+    def auth_headers(self) -> list[tuple[str, str]]:
+        """The engine's own key, for the router's requests to it (models, metrics)."""
+        return [("authorization", f"Bearer {self.api_key}")] if self.api_key else []
+
+    def concurrency(self, now: float, stale_after: float) -> int:
+        """Requests on the engine: its reading plus what this router sent since (router.engines)."""
+        return self.engine.concurrency(now, stale_after, in_flight=self.in_flight)
+
+    def kv_projected(self, now: float, stale_after: float) -> float | None:
+        return self.engine.kv_projected(
+            now, stale_after, in_flight=self.in_flight, max_concurrency=self.max_concurrency
+        )
+
+    def has_engine_room(self, now: float, stale_after: float, kv_threshold: float) -> bool:
+        return self.engine.has_room(now, stale_after, kv_threshold, max_concurrency=self.max_concurrency)
+
+
+class Pool:
+    def __init__(
+        self,
+        name: str,
+        *,
+        speculative: bool,
+        backends: list[Backend],
+        queue_size: int,
+        queue_timeout: float,
+    ) -> None:
+        self.name = name
+        self.speculative = speculative
+        self.backends = backends
+        self.queue_size = queue_size
+        self.queue_timeout = queue_timeout
+        self._waiters: dict[JobClass, deque[asyncio.Future[Backend]]] = {
+            "interactive": deque(),
+            "batch": deque(),
+        }
+        self.mean_duration = 10.0  # seconds a request takes here, a running mean
+
+    def queued(self, job: JobClass | None = None) -> int:
+        if job is not None:
+            return len(self._waiters[job])
+        return sum(len(waiters) for waiters in self._waiters.values())
+
+    @property
+    def in_flight(self) -> int:
+        return sum(backend.in_flight for backend in self.backends)
+
+    @property
+    def accepting(self) -> bool:
+        return any(backend.accepting for backend in self.backends)
+
+    def _unavailable(self) -> NoBackendAvailable:
+        if any(backend.healthy for backend in self.backends):
+            why = "is being drained"
+        else:
+            why = "has no healthy backend" if self.backends else "was removed from the configuration"
+        return NoBackendAvailable(f"pool {self.name!r} {why}", retry_after=5, code="pool_unavailable")
+
+    async def acquire(self, job: JobClass, *, exclude: frozenset[str] = frozenset()) -> Backend:
+        if not self.accepting:
+            raise self._unavailable()
+        if not self.queued() or exclude:
+            backend = self._take(exclude)
+            if backend is not None:
+                return backend
+            if exclude:
+                raise NoBackendAvailable(f"pool {self.name!r} has no other backend free", code="pool_unavailable")
+        if self.queued() >= self.queue_size:
+            raise NoBackendAvailable(
+                f"pool {self.name!r} is full and its queue holds {self.queue_size} requests",
+                retry_after=self._retry_after(),
+                code="queue_full",
+            )
+        waiter: asyncio.Future[Backend] = asyncio.get_running_loop().create_future()
+        self._waiters[job].append(waiter)
+        try:
+            async with asyncio.timeout(self.queue_timeout):
+                return await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                # A slot was handed over just as we gave up: pass it on.
+                self.release(waiter.result())
+            else:
+                waiter.cancel()
+                with contextlib.suppress(ValueError):  # _wake may have dropped it already
+                    self._waiters[job].remove(waiter)
+            if isinstance(exc, TimeoutError):
+                raise NoBackendAvailable(
+                    f"pool {self.name!r} had no free backend within {self.queue_timeout:g} s",
+                    retry_after=self._retry_after(),
+                    code="queue_timeout",
+                ) from exc
+            raise
+
+    def release(self, backend: Backend, *, duration: float | None = None) -> None:
+        backend.in_flight -= 1
+        if duration is not None:
+            self.mean_duration += _EWMA * (duration - self.mean_duration)
+        self.wake()
+
+    def wake(self) -> None:
+        """Hand free slots to queued requests (after a release, or a backend turning healthy or
+        being drained or resumed); with no backend left to wait for, fail them at once."""
+        while self.queued():
+            queue = self._waiters["interactive"] or self._waiters["batch"]
+            if queue[0].done():
+                queue.popleft()  # cancelled while queued; its request has gone
+                continue
+            if not self.accepting:
+                queue.popleft().set_exception(self._unavailable())
+                continue
+            backend = self._take()
+            if backend is None:
+                return
+            queue.popleft().set_result(backend)
+
+    def has_other(self, exclude: frozenset[str]) -> bool:
+        """Whether a healthy backend not in `exclude` has room now (for a retry)."""
+        return any(b.has_room and b.name not in exclude for b in self.backends)
+
+    def _take(self, exclude: frozenset[str] = frozenset()) -> Backend | None:
+        candidates = [b for b in self.backends if b.has_room and b.name not in exclude]
+        if not candidates:
+            return None
+        backend = min(candidates, key=lambda b: b.load)
+        backend.in_flight += 1
+        return backend
+
+    def _retry_after(self) -> int:
+        capacity = sum(b.max_concurrency for b in self.backends if b.accepting) or 1
+        wait = self.mean_duration * (self.queued() + 1) / capacity
+        return max(1, min(60, math.ceil(wait)))
+
+
+class Pools:
+    """Every pool of the router, by name."""
+
+    def __init__(self) -> None:
+        self._pools: dict[str, Pool] = {}
+
+    def configure(self, configs: Mapping[str, PoolConfig], health: HealthConfig) -> set[str]:
+        """Take the (re)loaded `pools` and `health` sections. A backend still configured in the same pool with the
+        same URL is kept, with its requests in flight, health and readings; others are new.
+        Requests running on a backend or pool that is gone finish there; its queue is failed.
+        Returns the names of the backends that were not kept (new, gone, or at another URL).
+        """
+        before = {backend.name: backend for backend in self.backends()}
+        pools: dict[str, Pool] = {}
+        for name, config in configs.items():
+            old = self._pools.get(name)
+            kept = {b.name: b for b in old.backends} if old is not None else {}
+            backends = []
+            for backend_name, backend_config in config.backends.items():
+                backend = kept.get(backend_name)
+                if backend is not None and backend.url == backend_config.url:
+                    backend.configure(backend_config)
+                else:
+                    backend = Backend(backend_name, name, backend_config)
+                backend.outlier.config = health
+                backends.append(backend)
+            if old is None:
+                pools[name] = Pool(
+                    name,
+                    speculative=config.speculative,
+                    backends=backends,
+                    queue_size=config.queue_size,
+                    queue_timeout=config.queue_timeout,
+                )
+            else:
+                old.speculative, old.backends = config.speculative, backends
+                old.queue_size, old.queue_timeout = config.queue_size, config.queue_timeout
+                pools[name] = old
+        gone = [pool for name, pool in self._pools.items() if name not in pools]
+        self._pools = pools
+        for pool in gone:
+            pool.backends = []
+        for pool in [*pools.values(), *gone]:
+            pool.wake()
+        after = {backend.name: backend for backend in self.backends()}
+        return {name for name in before.keys() | after.keys() if before.get(name) is not after.get(name)}
+
+    def __getitem__(self, name: str) -> Pool:
+        return self._pools[name]
+
+    def get(self, name: str) -> Pool | None:
+        return self._pools.get(name)
+
+    def __iter__(self) -> Iterator[Pool]:
+        return iter(self._pools.values())
+
+    def backends(self) -> Iterator[Backend]:
+        for pool in self:
+            yield from pool.backends

@@ -1,0 +1,103 @@
+"""Who is a client, and what it did lately: the memory that feeds classification's heuristic.
+
+A client is the combination of what its requests carry (`client_id`); `Clients` counts each
+one's requests in flight and remembers its recent peak, so a batch job is still one when its
+next burst begins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from router.clock import Clock
+from router.config import Classify
+
+
+def client_id(api_key: str | None, user: str | None, address: str | None) -> str:
+    """Who a request belongs to, for the in-flight heuristic: the combination of what is present.
+
+    `api_key` is only an identity when it is one of the configured client keys (the caller passes
+    None otherwise: a placeholder such as "none" tells nobody apart). Users sharing one key are
+    told apart by the body's `user`; everyone behind one address, by their key or `user`.
+    """
+    parts = [f"key:{api_key}"] if api_key else []
+    if user:
+        parts.append(f"user:{user}")
+    parts.append(f"addr:{address or 'unknown'}")
+    return " ".join(parts)
+
+
+class Clients:
+    """Requests in flight per client, and a fading memory of each client's recent peak.
+
+    A batch job that was running a hundred requests a moment ago is still a batch job when its
+    next burst begins: `load()` is the larger of what the client has in flight now and its past
+    peak, halved every `memory` seconds.
+    """
+
+    _PURGE_AT = 10_000  # forget faded clients once this many are remembered
+
+    def __init__(self, *, clock: Clock) -> None:
+        self._clock = clock
+        self._memory = self._burst_hold = 0.0
+        self._threshold = 4
+        self._in_flight: dict[str, int] = {}
+        self._peaks: dict[str, tuple[float, float]] = {}  # client -> (peak, when)
+        self._holds: dict[str, asyncio.Event] = {}  # clients whose first requests are held
+
+    def configure(self, config: Classify) -> None:
+        self._memory = config.client_memory_seconds
+        self._burst_hold = config.burst_hold_seconds
+        self._threshold = config.batch_inflight_threshold
+
+    async def settle(self, client: str) -> None:
+        """Hold the first requests of a client not seen lately, for at most `burst_hold` seconds or
+        until more than `threshold` of them are here: a batch job's first burst then shows itself
+        before any of it is classified, and an interactive user's first request waits that long."""
+        hold = self._holds.get(client)
+        if hold is None:
+            if not self._burst_hold or self[client] > 1 or self._remembered(client, self._clock.now()) >= 1:
+                return
+            hold = self._holds[client] = asyncio.Event()
+        try:
+            async with asyncio.timeout(self._burst_hold):
+                await hold.wait()
+        except TimeoutError:
+            pass
+        finally:
+            if self._holds.get(client) is hold:
+                del self._holds[client]  # the hold ends for everyone waiting on it
+
+    def __getitem__(self, client: str) -> int:
+        return self._in_flight.get(client, 0)
+
+    def load(self, client: str) -> float:
+        return max(self[client], self._remembered(client, self._clock.now()))
+
+    def start(self, client: str) -> None:
+        now = self._clock.now()
+        count = self._in_flight.get(client, 0) + 1
+        self._in_flight[client] = count
+        if count > self._threshold and client in self._holds:
+            self._holds[client].set()  # enough of a burst: classify them all now
+        if self._memory and count >= self._remembered(client, now):
+            if len(self._peaks) >= self._PURGE_AT:
+                self._purge(now)
+            self._peaks[client] = (count, now)
+
+    def finish(self, client: str) -> None:
+        left = self._in_flight[client] - 1
+        if left:
+            self._in_flight[client] = left
+        else:
+            del self._in_flight[client]
+
+    def _remembered(self, client: str, now: float) -> float:
+        if not self._memory or client not in self._peaks:
+            return 0.0
+        peak, when = self._peaks[client]
+        return float(peak * 0.5 ** ((now - when) / self._memory))
+
+    def _purge(self, now: float) -> None:
+        for client in [c for c in self._peaks if self._remembered(c, now) < 1 and c not in self._in_flight]:
+            del self._peaks[client]

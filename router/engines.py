@@ -1,0 +1,127 @@
+"""What the engines say about their own load, and what the router projects from it.
+
+`EngineLoad` is one scrape of one engine (router.scrape reads them); `EngineView` is what the
+router keeps of an engine between scrapes: the latest reading, the KV one request takes, the
+capacity the engine states, the last speculative acceptance measured. Its projections add what
+this router sent since the reading, so a burst faster than the scrape interval is seen.
+
+Nothing here does I/O or holds a clock: every reading of time comes in as `now`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One scrape of one engine. None: the engine does not export that figure."""
+
+    running: float | None = None
+    waiting: float | None = None
+    # Waiting in this scrape and the one before: a queue, not a request caught between its
+    # arrival and the engine's next step.
+    queued: float | None = None
+    kv_usage: float | None = None
+    acceptance: float | None = None  # accepted ÷ drafted tokens since the previous scrape
+    accept_length: float | None = None  # tokens a sequence gains per step (1 + accepted per draft)
+    draft_tokens: float | None = None  # guessed tokens per step and sequence (k)
+    # Requests the engine states its KV cache holds at full length (vLLM's cache_config_info).
+    max_concurrency: float | None = None
+    scraped_at: float = 0.0  # clock seconds; 0 = never
+    # This router's requests that the reading surely counts: those sent before the scrape was
+    # asked for and still running when it came back (one sent meanwhile may not have reached it).
+    own_in_flight: int = 0
+
+    def fresh(self, now: float, stale_after: float) -> bool:
+        return self.scraped_at > 0 and now - self.scraped_at <= stale_after
+
+
+@dataclass(frozen=True, slots=True)
+class Acceptance:
+    """The last speculative acceptance measured, and when."""
+
+    ratio: float
+    length: float | None
+    measured_at: float
+
+
+class EngineView:
+    """One engine as the router sees it between scrapes. `in_flight` and `max_concurrency` are
+    the router's own slots on it (router.backends), passed in by whoever asks."""
+
+    def __init__(self) -> None:
+        self.reading = EngineLoad()  # the latest scrape of its /metrics
+        self.stale = False  # its readings went stale (logged once; fresh again logs again)
+        self._kv_per_request: float | None = None  # KV usage per running request, as last seen
+        # What the engine states of its capacity (vLLM's cache_config_info): requests that fit.
+        self.stated_concurrency: float | None = None
+        self.acceptance: Acceptance | None = None
+
+    def observe(self, reading: EngineLoad) -> None:
+        """A new reading. The KV per request is kept from the last reading that had requests
+        running, and the acceptance from the last that had drafts, so an idle engine has both."""
+        self.reading = reading
+        if reading.running and reading.kv_usage is not None:
+            self._kv_per_request = reading.kv_usage / reading.running
+        if reading.max_concurrency:
+            self.stated_concurrency = reading.max_concurrency
+        if reading.acceptance is not None:
+            self.acceptance = Acceptance(reading.acceptance, reading.accept_length, reading.scraped_at)
+
+    def kv_per_request(self, max_concurrency: int) -> float:
+        """KV usage one request takes: as last seen with requests running; before that, the prior
+        of the capacity the engine states and the configured `max_concurrency`, whichever is less.
+        So a burst on a router that has not yet seen the engine loaded still projects it full."""
+        if self._kv_per_request is not None:
+            return self._kv_per_request
+        slots = min(max_concurrency, self.stated_concurrency or math.inf)
+        return 1.0 / max(1.0, slots)
+
+    def kv_projected(self, now: float, stale_after: float, *, in_flight: int, max_concurrency: int) -> float | None:
+        """The engine's KV usage once one more request is sent: the last reading, plus what each
+        request sent since (and the next one) will take, at the usage per running request.
+
+        A reading lags by a scrape; users arriving faster than that would otherwise overfill a
+        speculative engine's cache before the router sees it fill. Without a fresh reading, the
+        router's own requests at that usage each.
+        """
+        reading = self.reading
+        if reading.kv_usage is None:
+            return None  # the engine says nothing of its KV cache
+        per_request = self.kv_per_request(max_concurrency)
+        if not reading.fresh(now, stale_after):
+            # Scrapes are failing (the engine, or this router, too busy to answer in time): what
+            # this router's own requests take, so that missed scrapes do not open the gate.
+            return per_request * (in_flight + 1)
+        sent_since = max(0, in_flight - reading.own_in_flight)
+        return reading.kv_usage + per_request * (sent_since + 1)
+
+    def has_room(self, now: float, stale_after: float, kv_threshold: float, *, max_concurrency: int) -> bool:
+        """Whether the last fresh reading shows a free slot and KV headroom for one more.
+        Requests it reports waiting meanwhile are passing through, not a queue."""
+        reading = self.reading
+        if not reading.fresh(now, stale_after):
+            return False
+        if reading.running is not None and reading.running >= max_concurrency:
+            return False
+        return reading.kv_usage is None or reading.kv_usage + self.kv_per_request(max_concurrency) < kv_threshold
+
+    def concurrency(self, now: float, stale_after: float, *, in_flight: int) -> int:
+        """Requests on the engine: what it reported, plus what this router sent it since.
+
+        The engine's figure includes other clients and other routers, but lags by a scrape;
+        the router's own count is exact but sees only itself. Never less than the latter.
+        """
+        reading = self.reading
+        if not reading.fresh(now, stale_after) or reading.running is None:
+            return in_flight
+        reported = reading.running + (reading.waiting or 0)
+        return max(in_flight, round(reported) + max(0, in_flight - reading.own_in_flight))
+
+    def accept_length(self, now: float, max_age: float) -> float | None:
+        """Tokens a sequence gains per step, as last measured, if not older than `max_age`."""
+        if self.acceptance is None or now - self.acceptance.measured_at > max_age:
+            return None
+        return self.acceptance.length

@@ -1,0 +1,49 @@
+"""The values the first stages hand on: a request as it arrived, and as ingress accepted it.
+
+Plain records, with no I/O, so that the decision stage (router.decide) can take them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """What the request line and headers say, before anything is checked."""
+
+    request_id: str
+    path: str  # percent-decoded, for the router's own decisions
+    target: str  # the path and query exactly as the client sent them, forwarded as they are
+    headers: Mapping[str, str]  # lower-cased names, as the client sent them
+    started: float  # clock seconds at arrival
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """A request that ingress accepted: its client is allowed, its body read and parsed."""
+
+    arrival: Arrival
+    headers: Mapping[str, str]  # lower-cased; override headers this client may not use removed
+    api_key: str | None
+    client: str  # who sent it (router.clients.client_id); logged only as a hash
+    body: bytes
+    payload: Mapping[str, Any]  # the JSON object of the body; never changed
+
+    @property
+    def stream(self) -> bool:
+        return self.payload.get("stream") is True
+
+    def field(self, key: str, kind: type[T]) -> T | None:
+        """A top-level field of the body if it has that type (else None)."""
+        return field_of(self.payload, key, kind)
+
+
+def field_of(payload: Mapping[str, Any], key: str, kind: type[T]) -> T | None:
+    value = payload.get(key)
+    # bool is an int to Python, but `"n": true` is not a count.
+    return value if isinstance(value, kind) and not isinstance(value, bool) else None

@@ -1,0 +1,260 @@
+"""The request path, top to bottom: one request through the stages, each handing on a frozen value.
+
+    ingress  (router.ingress)   who, may they, the body            -> Incoming
+    decide   (router.decide)    classification, content, snapshot  -> Routed: where and why
+    forward  (router.forward)   the attempt loop, slots, retries   -> Answer | Failure
+    relay    (router.relay)     whole or as a stream               -> Outcome
+    observe  (router.observe)   metrics, learning, the access log  <- Finished
+
+The request takes the settings once, as the `Plan` of the moment, and keeps it to its end.
+It is a plain ASGI app rather than a Starlette endpoint so that the bytes of a stream go from
+the upstream socket to the client socket with nothing in between but one `StreamWatch.feed`,
+and so that a client's disconnect cancels everything under way at once (the queue wait, the
+upstream request).
+"""
+
+from __future__ import annotations
+
+import anyio
+import anyio.lowlevel
+from starlette.types import Message, Receive, Scope, Send
+
+from router import ingress
+from router.backends import Pools
+from router.clients import Clients
+from router.clock import Clock
+from router.decide import Routed, decide
+from router.errors import RouterError, ShuttingDown
+from router.forward import Answer, Attempts, Forwarder
+from router.incoming import Arrival, Incoming
+from router.learn import SpeedModel
+from router.observe import Finished, Observer
+from router.payload import ClientGone
+from router.plan import Plan
+from router.policy import Decision
+from router.relay import Outcome, Progress, relay_stream, relay_whole
+from router.snapshot import snapshot
+from router.transport import TransportError
+
+
+class Pipeline:
+    def __init__(
+        self,
+        *,
+        pools: Pools,
+        clients: Clients,
+        speeds: SpeedModel,
+        forwarder: Forwarder,
+        observer: Observer,
+        clock: Clock,
+    ) -> None:
+        self._pools = pools
+        self._clients = clients
+        self._speeds = speeds
+        self._forwarder = forwarder
+        self._observer = observer
+        self._clock = clock
+        self.plan: Plan | None = None  # set by Router.apply, swapped whole on a reload
+        self._serving: set[anyio.CancelScope] = set()  # one per request being served
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        plan = self.plan  # once: a reload meanwhile does not reach this request
+        assert plan is not None, "Router.apply sets the plan before the app serves"
+        arrival = ingress.arrive(scope, self._clock.now())
+        incoming: Incoming | None = None
+        routed: Routed | None = None
+        request = _Request()
+        try:
+            incoming = await ingress.accept(arrival, scope, receive, plan)
+            self._clients.start(incoming.client)
+            try:
+                await self._clients.settle(incoming.client)
+                routed = decide(
+                    incoming,
+                    classifier=plan.classifier,
+                    policy=plan.policy,
+                    code_hints=plan.code_hints,
+                    client_load=self._clients.load(incoming.client) - 1,  # the others, not this one
+                    pools=snapshot(
+                        self._pools,
+                        self._speeds,
+                        now=self._clock.now(),
+                        stale_after=plan.stale_after,
+                        kv_threshold=plan.routing.kv_threshold,
+                        acceptance_max_age=plan.acceptance_max_age,
+                    ),
+                )
+                self._observer.decided(routed.decision)
+                request.decision = routed.decision
+                await self._serve_until_disconnect(receive, send, incoming, routed, plan, request)
+            finally:
+                self._clients.finish(incoming.client)
+        except ClientGone:
+            request.status = 499
+        except RouterError as exc:
+            request.status, request.code = exc.status_code, exc.code
+            await _send_error(send, exc, _route_headers(arrival, request))
+        finally:
+            self._observer.finished(self._finished(arrival, incoming, request, plan))
+
+    async def _serve_until_disconnect(
+        self, receive: Receive, send: Send, incoming: Incoming, routed: Routed, plan: Plan, request: _Request
+    ) -> None:
+        """Serve the request, cancelling everything (queue wait, upstream) if the client leaves."""
+        gone = served = False
+        error: RouterError | None = None
+
+        async def watch(cancel: anyio.CancelScope) -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            cancel.cancel()
+
+        async def send_while_there(message: Message) -> None:
+            if gone:
+                # uvicorn drops what is sent to a client that left without suspending, so a relay
+                # from an engine that streams fast might never reach a point where the cancel lands.
+                await anyio.lowlevel.checkpoint()
+            await send(message)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(watch, group.cancel_scope)
+            self._serving.add(group.cancel_scope)
+            try:
+                await self._serve(send_while_there, incoming, routed, plan, request)
+                served = True
+            except RouterError as exc:
+                error = exc  # raised outside the group, which would wrap it in an ExceptionGroup
+            finally:
+                self._serving.discard(group.cancel_scope)
+            group.cancel_scope.cancel()
+        if gone and not served:  # a client that hangs up after the last byte was served
+            raise ClientGone
+        if error is not None:
+            raise error
+        if not served:  # ended by `end_all`
+            await self._end_for_shutdown(send, request)
+
+    async def _serve(self, send: Send, incoming: Incoming, routed: Routed, plan: Plan, request: _Request) -> None:
+        result = await self._forwarder.forward(incoming, routed, plan, request.noted)
+        if not isinstance(result, Answer):
+            request.noted(result.attempts)
+            raise result.error
+        try:
+            headers = _route_headers(incoming.arrival, request)
+            if result.content is not None:
+                request.outcome = await relay_whole(send, result.response, result.content, headers)
+            else:
+                request.outcome = await self._relay_stream(send, incoming, routed, plan, result, request, headers)
+        finally:
+            await result.response.aclose()
+            self._forwarder.release(incoming, result)
+
+    async def _relay_stream(
+        self,
+        send: Send,
+        incoming: Incoming,
+        routed: Routed,
+        plan: Plan,
+        answer: Answer,
+        request: _Request,
+        headers: dict[str, str],
+    ) -> Outcome:
+        backend, decision = answer.backend, answer.attempts.decision
+        model = incoming.field("model", str)
+
+        def first_token() -> float:
+            # Recorded when it arrives, not when the request ends: a queue shows while it builds.
+            ttft = self._clock.now() - incoming.arrival.started
+            self._observer.first_token(decision, backend, model, ttft, id(incoming))
+            return ttft
+
+        def broken(exc: TransportError) -> tuple[int, str | None, bytes]:
+            error, _ = self._forwarder.upstream_failure(backend, exc)
+            backend.outlier.request_failed(self._clock.now())
+            return error.status_code, error.code, error.event()
+
+        return await relay_stream(
+            send,
+            answer.response,
+            headers,
+            request.progress,
+            drop_usage_chunk=routed.drop_usage_chunk,
+            max_event=plan.sse_event_bytes,
+            first_token=first_token,
+            broken=broken,
+        )
+
+    def end_all(self) -> None:
+        """End every request being served: at the end of a shutdown's grace period."""
+        for scope in self._serving:
+            scope.cancel()
+
+    async def _end_for_shutdown(self, send: Send, request: _Request) -> None:
+        error = ShuttingDown("the router is shutting down; send the request again", code="shutting_down")
+        request.status, request.code = error.status_code, error.code
+        if not request.progress.streaming:
+            raise error  # nothing has gone to the client yet
+        # Like a stream whose upstream failed: the events so far, one error event, no [DONE].
+        await send({"type": "http.response.body", "body": error.event(), "more_body": False})
+
+    def _finished(self, arrival: Arrival, incoming: Incoming | None, request: _Request, plan: Plan) -> Finished:
+        now = self._clock.now()
+        attempts, outcome = request.attempts, request.outcome
+        backend = attempts.backend if attempts is not None else None
+        status, code = request.status, request.code
+        if outcome is not None and not status:
+            status, code = outcome.status, outcome.code
+        return Finished(
+            arrival=arrival,
+            duration=now - arrival.started,
+            status=status,
+            code=code,
+            model=incoming.field("model", str) if incoming is not None else None,
+            client=incoming.client if incoming is not None else None,
+            decision=request.decision,
+            backend=backend,
+            attempts=attempts.count if attempts is not None else 0,
+            queue_wait=attempts.queue_wait if attempts is not None else 0.0,
+            concurrency=attempts.concurrency if attempts is not None else 0,
+            ttft=request.progress.ttft,
+            tokens=outcome.tokens if outcome is not None else None,
+            prompt_tokens=outcome.prompt_tokens if outcome is not None else None,
+            accept_length=backend.engine.accept_length(now, plan.acceptance_max_age) if backend is not None else None,
+        )
+
+
+class _Request:
+    """What became of one request so far: filled in as it goes, read once at its end."""
+
+    __slots__ = ("attempts", "code", "decision", "outcome", "progress", "status")
+
+    def __init__(self) -> None:
+        self.decision: Decision | None = None
+        self.attempts: Attempts | None = None
+        self.outcome: Outcome | None = None
+        self.progress = Progress()
+        self.status = 0  # set when the router answered or ended the request itself
+        self.code: str | None = None
+
+    def noted(self, attempts: Attempts) -> None:
+        self.attempts = attempts
+        self.decision = attempts.decision  # `failover:<pool>` once it moved
+
+
+def _route_headers(arrival: Arrival, request: _Request) -> dict[str, str]:
+    headers = {"x-request-id": arrival.request_id}
+    if request.decision is not None:
+        headers["x-route-pool"] = request.decision.pool
+        headers["x-job-type"] = request.decision.job
+        headers["x-route-reason"] = request.decision.reason
+    if request.attempts is not None and request.attempts.backend is not None:
+        headers["x-route-backend"] = request.attempts.backend.name
+    return headers
+
+
+async def _send_error(send: Send, error: RouterError, headers: dict[str, str]) -> None:
+    response = error.response(headers)
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})
