@@ -1,0 +1,263 @@
+"""Every setting either reaches the part that uses it on a reload, or is named as needing a restart.
+
+The table below has one row for each leaf of `router.config.Settings`: the value a reload
+changes it to, and what to look at on a running `Router` to see the change — the behaviour of
+the request path's plan (a classification, a routing decision, a key check), or the value the
+part that uses the setting now holds (read from that part, never from the settings). A setting
+added to config.py without a row here fails `test_every_setting_has_a_row`.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trustme
+from pydantic import BaseModel
+
+from router.classify import Classification, RequestFacts
+from router.clock import ManualClock
+from router.config import Settings
+from router.decide import content_kind
+from router.errors import RouterError
+from router.policy import PoolState
+from router.runtime import NEEDS_RESTART, Router
+
+Observe = Callable[[Router], Any]
+
+BASE: dict[str, Any] = {
+    "pools": {
+        "fast": {"speculative": True, "backends": {"f1": {"url": "http://127.0.0.1:1", "max_concurrency": 8}}},
+        "team": {"speculative": False, "backends": {"t1": {"url": "http://127.0.0.1:2"}}},
+    },
+    "classify": {"rules": [], "client_memory_seconds": 10},
+}
+
+
+def _leaves(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
+    """Dotted names of every leaf setting; a map of sections (pools, backends) is `*`."""
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        args = typing.get_args(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from _leaves(annotation, f"{prefix}{name}.")
+        elif typing.get_origin(annotation) is dict and isinstance(args[1], type) and issubclass(args[1], BaseModel):
+            yield from _leaves(args[1], f"{prefix}{name}.*.")
+        else:
+            yield prefix + name
+
+
+# Helpers that show behaviour.
+
+
+def _classify(router: Router, headers: dict[str, str] | None = None, **facts: Any) -> Classification:
+    return router.plan.classifier.classify(RequestFacts(headers=headers or {}, **facts))
+
+
+def _route(router: Router, job: str = "interactive", *, spec: PoolState, std: PoolState) -> str:
+    decision = router.plan.policy.decide(Classification(job, "default"), "prose", {"fast": spec, "team": std})  # type: ignore[arg-type]
+    return decision.pool
+
+
+def _raised(call: Callable[[], Any]) -> str | None:
+    try:
+        call()
+    except RouterError as exc:
+        return exc.code
+    return None
+
+
+def _remembered(router: Router) -> float:
+    """A client's peak of 4, 10 s later, as the in-flight heuristic sees it."""
+    clock = router.clock
+    assert isinstance(clock, ManualClock)
+    for _ in range(4):
+        router.clients.start("c")
+    for _ in range(4):
+        router.clients.finish("c")
+    clock.advance(10)
+    return router.clients.load("c")
+
+
+def _backend(router: Router) -> Any:
+    return router.pools["fast"].backends[0]
+
+
+IDLE = PoolState(speculative=True, concurrency=0)
+PAST_CROSSOVER = PoolState(speculative=True, concurrency=10)
+
+# setting -> (the value a reload sets, what shows it)
+RELOADABLE: dict[str, tuple[Any, Observe]] = {
+    "pools.*.speculative": (False, lambda r: r.pools["fast"].speculative),
+    "pools.*.backends.*.url": ("http://127.0.0.1:3", lambda r: _backend(r).url),
+    "pools.*.backends.*.api_key_env": ("SPECROUTE_TEST_ENGINE_KEY", lambda r: _backend(r).auth_headers),
+    "pools.*.backends.*.max_concurrency": (2, lambda r: _backend(r).max_concurrency),
+    "pools.*.queue_size": (3, lambda r: r.pools["fast"].queue_size),
+    "pools.*.queue_timeout": (3.0, lambda r: r.pools["fast"].queue_timeout),
+    "headers.pool": ("X-Pool", lambda r: _classify(r, {"x-pool": "team"}).pinned_pool),
+    "headers.job": ("X-Job", lambda r: _classify(r, {"x-job": "batch"}).job),
+    "classify.rules": (
+        [{"name": "evals", "job": "batch", "match": {"model": "glm-batch"}}],
+        lambda r: _classify(r, model="glm-batch").job,
+    ),
+    "classify.batch_inflight_threshold": (2, lambda r: _classify(r, client_load=2).job),
+    "classify.client_memory_seconds": (5, _remembered),
+    "classify.burst_hold_seconds": (0.5, lambda r: r.clients._burst_hold),
+    "classify.code_hints": (["frobnicate"], lambda r: content_kind({"prompt": "frobnicate it"}, r.plan.code_hints)),
+    "routing.interactive_pool": ("team", lambda r: _route(r, spec=IDLE, std=IDLE)),
+    "routing.batch_pool": ("fast", lambda r: _route(r, "batch", spec=IDLE, std=IDLE)),
+    "routing.mode": ("static", lambda r: _route(r, spec=PAST_CROSSOVER, std=PoolState(speculative=False))),
+    "routing.crossover": ({"prose": 50, "code": 50}, lambda r: _route(r, spec=PAST_CROSSOVER, std=IDLE)),
+    "routing.kv_threshold": (0.5, lambda r: _route(r, spec=PoolState(True, kv_usage=0.6), std=IDLE)),
+    "routing.batch_may_use_speculative": (
+        True,
+        lambda r: _route(r, "batch", spec=IDLE, std=PoolState(speculative=False, has_room=False)),
+    ),
+    "routing.ttft_target": (5.0, lambda r: _route(r, spec=PAST_CROSSOVER, std=PoolState(False, ttft=4.0))),
+    "timeouts.connect": (1.0, lambda r: r.plan.timeouts.connect),
+    "timeouts.read": (0.3, lambda r: r.plan.timeouts.read),
+    "timeouts.idle": (2.0, lambda r: r.plan.timeouts.idle),
+    "timeouts.client_body": (2.0, lambda r: r.plan.client_body_seconds),
+    "health.interval": (1.0, lambda r: r.health._config.interval),
+    "health.timeout": (1.0, lambda r: (r.health._config.timeout, r.catalog._timeout)),
+    "health.unhealthy_after": (5, lambda r: _backend(r).outlier.config.unhealthy_after),
+    "health.healthy_after": (5, lambda r: _backend(r).outlier.config.healthy_after),
+    "health.eject_after": (1, lambda r: _backend(r).outlier.request_failed(100.0)),
+    "health.ejection_seconds": (1.0, lambda r: _backend(r).outlier.config.ejection_seconds),
+    "health.max_ejection_seconds": (20.0, lambda r: _backend(r).outlier.config.max_ejection_seconds),
+    "scrape.interval": (0.5, lambda r: r.scraper._config.interval),
+    "scrape.timeout": (0.1, lambda r: r.scraper._config.timeout),
+    "scrape.stale_after": (1.0, lambda r: (r.plan.stale_after, r.scraper._config.stale_after, r.metrics._live.config)),
+    "scrape.acceptance_max_age": (10.0, lambda r: (r.plan.acceptance_max_age, r.metrics._live.config)),
+    "learn.min_samples": (2, lambda r: r.speeds.trust.min_samples),
+    "learn.max_interval": (0.5, lambda r: r.speeds.trust.max_interval),
+    "learn.half_life": (60.0, lambda r: r.speeds.trust.half_life),
+    "retries.attempts": (1, lambda r: r.plan.retries.attempts),
+    "retries.deadline": (1.0, lambda r: r.plan.retries.deadline),
+    "retries.cross_pool": (False, lambda r: r.plan.retries.cross_pool),
+    "retries.budget": (0.5, lambda r: r.plan.retries.budget),
+    "retries.min_concurrent": (1, lambda r: r.plan.retries.min_concurrent),
+    "auth.client_keys_env": ("SPECROUTE_TEST_CLIENT_KEYS", lambda r: _raised(lambda: r.plan.auth.check_client(None))),
+    "auth.override_keys_env": ("SPECROUTE_TEST_CLIENT_KEYS", lambda r: r.plan.auth.may_override(None, "x-route-pool")),
+    "auth.untrusted_overrides": ("reject", lambda r: _raised(lambda: r.plan.auth.may_override(None, "x-route-pool"))),
+    "auth.admin_key_env": ("SPECROUTE_TEST_ADMIN_KEY", lambda r: _raised(lambda: r.plan.auth.check_admin("admin"))),
+    "shutdown.grace_seconds": (1.0, lambda r: r.grace_seconds),
+    "limits.json_depth": (4, lambda r: r.plan.json_depth),
+    "limits.response_head_bytes": (2048, lambda r: r.plan.head_limits.head_bytes),
+    "limits.response_headers": (10, lambda r: r.plan.head_limits.headers),
+    "limits.response_body_bytes": (100, lambda r: r.plan.response_body_bytes),
+    "limits.sse_event_bytes": (2048, lambda r: r.plan.sse_event_bytes),
+    "tls.ca_bundle": ("<ca>", lambda r: r.transport.tls.cert_store_stats()),
+    # A client certificate is not readable back from a context: a new context shows it was taken.
+    "tls.client_cert": ("<cert+key>", lambda r: id(r.transport.tls)),
+    "tls.client_key": ("<key>", lambda r: id(r.transport.tls)),
+    "tls.verify": (False, lambda r: r.transport.tls.verify_mode),
+    "metrics.models": (["glm-batch"], lambda r: r.known_models()),
+    "batch.max_file_bytes": (10, lambda r: r.batch.max_file_bytes),
+    "batch.max_storage_bytes": (10, lambda r: r.batch.max_storage_bytes),
+    "batch.max_lines": (10, lambda r: r.batch.max_lines),
+    "batch.max_concurrency": (2, lambda r: r.batch.max_concurrency),
+    "batch.reserve_slots": (2, lambda r: r.batch.reserve_slots),
+    "batch.poll_interval": (2.0, lambda r: r.batch.poll_interval),
+    "batch.ttft_rise": (3.0, lambda r: r.batch.ttft_rise),
+    "batch.lease_seconds": (2.0, lambda r: r.batch.lease_seconds),
+    "batch.max_attempts": (2, lambda r: r.batch.max_attempts),
+    "batch.retry_backoff": (2.0, lambda r: r.batch.retry_backoff),
+    "batch.upload_timeout": (2.0, lambda r: r.batch.upload_timeout),
+    "max_body_bytes": (10, lambda r: r.plan.max_body_bytes),
+    "models_cache_seconds": (1.0, lambda r: r.catalog._ttl),
+    "forward_client_authorization": (True, lambda r: r.plan.forward_authorization),
+}
+
+# Rows whose change shows only against another setting: that one is in the base as well.
+BASE_FOR: dict[str, dict[str, dict[str, str]]] = {
+    "auth.untrusted_overrides": {"auth": {"override_keys_env": "SPECROUTE_TEST_CLIENT_KEYS"}},
+    "tls.client_key": {"tls": {"client_cert": "<cert+key>"}},
+    "batch.store": {"batch": {"postgres_dsn_env": "SPECROUTE_TEST_DSN"}},
+}
+
+# setting -> the value a reload sets; the reload answer names each under `needs_restart`.
+RESTART: dict[str, Any] = {
+    "listen.host": "0.0.0.0",
+    "listen.port": 9000,
+    "listen.forwarded_allow_ips": ["*"],
+    "timeouts.request_head": 1.0,
+    "timeouts.keep_alive": 1.0,
+    "timeouts.client_write": 1.0,
+    "limits.request_head_bytes": 2048,
+    "limits.request_headers": 10,
+    "limits.max_connections": 10,
+    "log.format": "json",
+    "batch.enabled": False,
+    "batch.store_dir": "elsewhere",
+    "batch.store": "postgres",
+    "batch.postgres_dsn_env": "SPECROUTE_TEST_DSN",
+}
+
+
+def test_every_setting_has_a_row() -> None:
+    leaves = set(_leaves(Settings))
+    assert not RELOADABLE.keys() & RESTART.keys()
+    assert leaves == RELOADABLE.keys() | RESTART.keys()
+    # The restart list is the runtime's own.
+    assert {key for key in leaves if key.startswith(NEEDS_RESTART)} == RESTART.keys()
+
+
+def _with(key: str, value: Any) -> dict[str, Any]:
+    """BASE with one setting changed (`*` is pool `fast`, backend `f1`)."""
+    data: dict[str, Any] = {**BASE, "pools": {k: dict(v) for k, v in BASE["pools"].items()}}
+    data["pools"]["fast"]["backends"] = {"f1": dict(BASE["pools"]["fast"]["backends"]["f1"])}
+    parts = key.replace("pools.*.backends.*", "pools.fast.backends.f1").replace("pools.*", "pools.fast").split(".")
+    node = data
+    for part in parts[:-1]:
+        node[part] = dict(node.get(part, {}))
+        node = node[part]
+    node[parts[-1]] = value
+    return data
+
+
+@pytest.fixture
+def pem(tmp_path: Path) -> dict[str, str]:
+    ca = trustme.CA()
+    cert = ca.issue_cert("client.example")
+    files = {"<ca>": tmp_path / "ca.pem", "<cert+key>": tmp_path / "both.pem", "<key>": tmp_path / "key.pem"}
+    ca.cert_pem.write_to_path(str(files["<ca>"]))
+    cert.private_key_and_cert_chain_pem.write_to_path(str(files["<cert+key>"]))
+    cert.private_key_pem.write_to_path(str(files["<key>"]))
+    return {name: str(path) for name, path in files.items()}
+
+
+@pytest.mark.parametrize("key", sorted(RELOADABLE))
+def test_a_reload_reaches_the_part_that_uses_the_setting(
+    key: str, pem: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECROUTE_TEST_ENGINE_KEY", "engine-key")
+    monkeypatch.setenv("SPECROUTE_TEST_CLIENT_KEYS", "client-key")
+    monkeypatch.setenv("SPECROUTE_TEST_ADMIN_KEY", "admin-key")
+    value, observe = RELOADABLE[key]
+    value = pem.get(value, value) if isinstance(value, str) else value
+    base = {
+        **BASE,
+        **{section: {k: pem.get(v, v) for k, v in extra.items()} for section, extra in BASE_FOR.get(key, {}).items()},
+    }
+    changed = {**_with(key, value), **{s: {**base[s], **_with(key, value).get(s, {})} for s in BASE_FOR.get(key, {})}}
+    router = Router(Settings.model_validate(base), clock=ManualClock())
+    before = observe(router)
+    answer = router.apply(Settings.model_validate(changed))
+    name = key.replace("pools.*.backends.*", "pools.fast.backends.f1").replace("pools.*", "pools.fast")
+    assert [changed for changed in answer["changed"] if changed == name or changed.startswith(name + ".")]
+    assert answer["needs_restart"] == []
+    assert observe(router) != before
+
+
+@pytest.mark.parametrize("key", sorted(RESTART))
+def test_a_reload_names_the_settings_that_need_a_restart(key: str) -> None:
+    extra = BASE_FOR.get(key, {})
+    base = {**BASE, **extra}
+    changed = {**_with(key, RESTART[key]), **{s: {**base[s], **_with(key, RESTART[key]).get(s, {})} for s in extra}}
+    router = Router(Settings.model_validate(base), clock=ManualClock())
+    answer = router.apply(Settings.model_validate(changed))
+    assert answer["needs_restart"] == [key]
