@@ -56,7 +56,8 @@ class Clients:
         before any of it is classified, and an interactive user's first request waits that long."""
         hold = self._holds.get(client)
         if hold is None:
-            if not self._burst_hold or self[client] > 1 or self._remembered(client, self._clock.now()) >= 1:
+            # Seen lately: a peak above this request alone (`start` has counted it already).
+            if not self._burst_hold or self[client] > 1 or self._remembered(client, self._clock.now()) > 1:
                 return
             hold = self._holds[client] = asyncio.Event()
         try:

@@ -78,6 +78,31 @@ async def test_a_new_clients_burst_is_held_until_it_shows_itself() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_client_not_seen_lately_is_held_however_fine_the_clock() -> None:
+    """With the memory on, a new client's first request is held even on a clock that has not
+    moved since it arrived (a coarse one, or a test's); it was not: its own start counted as a
+    peak of exactly 1, which read as seen lately. One seen lately is not held."""
+    import asyncio
+
+    clients = _clients(ManualClock(), client_memory_seconds=60, burst_hold_seconds=30.0, batch_inflight_threshold=4)
+    clients.start("new")
+    held = asyncio.create_task(clients.settle("new"))
+    await asyncio.sleep(0)
+    assert not held.done()
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    for _ in range(3):
+        clients.start("etl")
+    for _ in range(3):
+        clients.finish("etl")
+    clients.start("etl")  # a moment after a burst of three
+    settle = clients.settle("etl")
+    with pytest.raises(StopIteration):
+        settle.send(None)  # done at its first step: it never waited
+
+
+@pytest.mark.anyio
 async def test_a_lone_first_request_waits_only_the_hold() -> None:
     import asyncio
     import time
