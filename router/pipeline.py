@@ -62,12 +62,13 @@ class Pipeline:
         assert plan is not None, "Router.apply sets the plan before the app serves"
         arrival = ingress.arrive(scope, self._clock.now())
         incoming: Incoming | None = None
-        routed: Routed | None = None
         request = _Request()
         try:
+            # Ingress: the client's key, the body within its limits, the JSON.
             incoming = await ingress.accept(arrival, scope, receive, plan)
             self._clients.start(incoming.client)
             try:
+                # Decision: a new client's first burst shows itself first, then where and why.
                 await self._clients.settle(incoming.client)
                 routed = decide(
                     incoming,
@@ -86,6 +87,7 @@ class Pipeline:
                 )
                 self._observer.decided(routed.decision)
                 request.decision = routed.decision
+                # Forwarding and relay, cancelled at once if the client leaves.
                 await self._serve_until_disconnect(receive, send, incoming, routed, plan, request)
             finally:
                 self._clients.finish(incoming.client)
@@ -95,6 +97,7 @@ class Pipeline:
             request.status, request.code = exc.status_code, exc.code
             await _send_error(send, exc, _route_headers(arrival, request))
         finally:
+            # Observation: whatever became of it.
             self._observer.finished(self._finished(arrival, incoming, request, plan))
 
     async def _serve_until_disconnect(
