@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -64,6 +65,7 @@ class FakeEngine:
     fail_status: int | None = None  # answer this status instead...
     fail_count: int = -1  # ...this many times (-1: always)
     fail_delay: float = 0.0  # ...after this many seconds
+    gate: threading.Event | None = None  # whole and failure answers wait until it is set
     die_after: int | None = None  # drop the connection after this many streamed tokens
     stall_after: int | None = None  # go silent after this many streamed tokens
     script: list[bytes] | None = None  # stream exactly these pieces, each its own write
@@ -161,6 +163,8 @@ class FakeEngine:
             self.fail_count -= 1
         if failing or fault == "503":
             await asyncio.sleep(self.fail_delay if failing else 0.0)
+            if self.gate is not None:
+                await asyncio.to_thread(self.gate.wait, TIMEOUT)
             error = {"message": "overloaded", "type": "ServiceUnavailableError", "param": None, "code": 503}
             return JSONResponse({"error": error}, status_code=self.fail_status or 503)
         if body.get("model") != self.model:
@@ -199,11 +203,12 @@ class FakeEngine:
         try:
             # A plain endpoint is not cancelled when its client leaves: look, as engines do.
             deadline = time.monotonic() + self.first_token_delay + self.token_delay * tokens
-            while time.monotonic() < deadline:
+            gate = self.gate
+            while time.monotonic() < deadline or (gate is not None and not gate.is_set()):
                 if await request.is_disconnected():
                     self.aborted += 1
                     return Response(status_code=499)
-                await asyncio.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+                await asyncio.sleep(0.01 if gate is not None else min(0.01, max(0.0, deadline - time.monotonic())))
         finally:
             self.open -= 1
         text = " ".join(f"w{i}" for i in range(tokens))

@@ -25,6 +25,7 @@ from router.decide import content_kind
 from router.errors import RouterError
 from router.policy import PoolState
 from router.runtime import NEEDS_RESTART, Router
+from tests.wait import wait_until
 
 Observe = Callable[[Router], Any]
 
@@ -261,3 +262,42 @@ def test_a_reload_names_the_settings_that_need_a_restart(key: str) -> None:
     router = Router(Settings.model_validate(base), clock=ManualClock())
     answer = router.apply(Settings.model_validate(changed))
     assert answer["needs_restart"] == [key]
+
+
+def test_a_request_under_way_keeps_the_settings_it_arrived_with(
+    tmp_path: Path, make_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reload that turns `retries.cross_pool` off while a request's first attempt waits for the
+    engine's 503: that request still fails over to the other pool, as the settings it arrived
+    with allow; the next one does not. Before, the router read the settings anew at each step:
+    the request under way was let retry, then found no pool to retry on (503 pool_unavailable)."""
+    import concurrent.futures
+    import threading
+
+    import httpx
+    import yaml
+
+    config = tmp_path / "router.yaml"
+    monkeypatch.setenv("SPECROUTE_TEST_ADMIN_KEY", "admin-secret")
+    settings = {"auth": {"admin_key_env": "SPECROUTE_TEST_ADMIN_KEY"}}
+    with make_cluster(config_file=config, **settings) as cluster, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        chat = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        url = cluster.base_url + "/chat/completions"
+        cluster.fast.fail_status = 503
+        cluster.fast.gate = gate = threading.Event()  # the engine answers once the reload is done
+        under_way = pool.submit(httpx.post, url, json=chat, timeout=30)
+        wait_until(lambda: len(cluster.fast.requests) == 1, message="the first request at the engine")
+        data = yaml.safe_load(config.read_text())
+        data["retries"] = {"cross_pool": False}
+        config.write_text(yaml.safe_dump(data))
+        admin = httpx.post(
+            cluster.router.url + "/admin/reload", headers={"authorization": "Bearer admin-secret"}, timeout=10
+        )
+        assert admin.json()["changed"] == ["retries.cross_pool"]
+        gate.set()
+        answer = under_way.result()
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-route-reason"] == "failover:fast"
+        after = httpx.post(url, json=chat, timeout=30)
+        assert after.status_code == 503 and after.json()["error"]["message"] == "overloaded"  # the engine's own
+        assert len(cluster.team.requests) == 1
