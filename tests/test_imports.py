@@ -92,6 +92,31 @@ def test_decisions_do_no_io(module: str) -> None:
     assert found == set()
 
 
+# Who may hold the whole settings: `apply` maps them onto the parts (runtime, plan); the rest only
+# load them and hand them on (app, cli, demo), or read the restart-only sections at start (listener).
+SETTINGS_HOLDERS = {
+    "router.config",
+    "router.runtime",
+    "router.plan",
+    "router.app",
+    "router.cli",
+    "router.demo",
+    "router.listener",
+}
+
+
+def test_the_parts_take_their_own_sections_not_the_settings() -> None:
+    holders = {
+        module
+        for module, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        and node.module == "router.config"
+        and any(alias.name == "Settings" for alias in node.names)
+    }
+    assert holders <= SETTINGS_HOLDERS
+
+
 def test_no_module_of_the_package_imports_itself_back() -> None:
     """No import cycle, not even one for type checking only (pools <-> scrape was one): each
     part can be read, and tested, from the bottom up."""
