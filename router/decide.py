@@ -74,8 +74,10 @@ def upstream_body(incoming: Incoming, *, rewrite_model: str | None) -> tuple[byt
         options = incoming.payload.get("stream_options")
         options = options if isinstance(options, dict) else {}
         if options.get("include_usage") is not True:
-            # Ask for the token counts; the client did not, so the extra chunk is removed.
-            changes["stream_options"] = {**options, "include_usage": True}
+            # Ask for the token counts; the client did not, so the extra chunk is removed. Usage
+            # on every chunk (`continuous_usage_stats`) comes only with `include_usage`: the
+            # client, not asking for that, would get none from the engine, so none through here.
+            changes["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": False}
             drop_usage_chunk = True
     if not changes:
         return incoming.body, False

@@ -46,7 +46,7 @@ def test_chat_stream_passes_through_with_route_headers(cluster: Cluster) -> None
     assert raw.headers["x-route-reason"] == "default"
     assert raw.headers["content-type"].startswith("text/event-stream")
     forwarded = cluster.fast.requests[-1].body
-    assert forwarded["stream_options"] == {"include_usage": True}
+    assert forwarded["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
     labels = {"pool": "fast", "backend": "fast-1", "job_class": "interactive", "model": "test-model"}
     assert (
         cluster.settled_metric(
@@ -58,6 +58,21 @@ def test_chat_stream_passes_through_with_route_headers(cluster: Cluster) -> None
     assert cluster.settled_metric("specroute_time_per_output_token_seconds_count", 1, **labels) == 1
     assert cluster.settled_metric("specroute_request_duration_seconds_count", 1, **labels) == 1
     assert cluster.metric("specroute_requests_total", **labels, status="200", code="") == 1
+
+
+def test_continuous_usage_without_include_usage_gives_no_usage_as_from_the_engine(cluster: Cluster) -> None:
+    """vLLM sends usage on every chunk only with `include_usage`: asked for `continuous_usage_stats`
+    alone it sends none, so the usage the router asks for must not ride on every chunk either."""
+    stream = _client(cluster).chat.completions.create(
+        model="test-model",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        stream=True,
+        extra_body={"stream_options": {"continuous_usage_stats": True}},  # vLLM's own option
+    )
+    assert all(c.usage is None for c in stream)
+    forwarded = cluster.fast.requests[-1].body
+    assert forwarded["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
 
 
 def test_usage_chunk_reaches_client_that_asked_for_it(cluster: Cluster) -> None:
