@@ -190,6 +190,8 @@ async def test_an_upload_over_the_limit_is_413_before_it_is_all_sent(make_cluste
                 writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
                 await writer.drain()
                 sent += len(data)
+                # drain() returns at once while the router reads on: let the reader see the answer.
+                await asyncio.sleep(0)
 
         flooding = asyncio.create_task(flood())
         try:
