@@ -12,7 +12,8 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.admin import admin_routes
 from router.batch.service import BatchService
@@ -96,6 +97,8 @@ def create_app(
         assert isinstance(exc, RouterError)
         return exc.response()
 
+    # Before the catch-all: /v1/models, and /v1/files and /v1/batches with the Batch API, are the router's own.
+    own = [Route("/v1/models", models), *batches.routes()]
     app = Starlette(
         routes=[
             Route("/healthz", healthz),
@@ -103,11 +106,11 @@ def create_app(
             Route("/version", version),
             Route("/readyz", readyz),
             Route("/metrics", prometheus),
-            Route("/v1/models", models),
             Route("/router/status", router_status),
             *admin_routes(router),
-            *batches.routes(),  # before the catch-all: /v1/files and /v1/batches are the router's own
-            Route("/v1/{path:path}", router.pipeline, methods=["POST"]),
+            *own,
+            # GET and DELETE too: models by id, stored responses (and files, batches without the Batch API).
+            Route("/v1/{path:path}", _ProxyElsewhere(own, router.pipeline), methods=["GET", "POST", "DELETE"]),
         ],
         exception_handlers={HTTPException: http_error, RouterError: router_error},
         lifespan=lifespan,
@@ -115,3 +118,22 @@ def create_app(
     app.state.router = router
     app.state.batches = batches
     return app
+
+
+class _ProxyElsewhere:
+    """The proxy, except on a path the router serves itself: another method there is its 405,
+    never forwarded (a route that matches only the path loses to the catch-all that matches both).
+    A class, not a function: Starlette hands a function route a Request, an ASGI app its scope."""
+
+    def __init__(self, own: list[BaseRoute], proxy: ASGIApp) -> None:
+        self._proxy = proxy
+        self._allowed: dict[str, set[str]] = {}
+        for route in own:
+            if isinstance(route, Route) and route.methods is not None:
+                self._allowed.setdefault(route.path, set()).update(route.methods)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        methods = self._allowed.get(scope["path"])
+        if methods is not None:
+            raise HTTPException(405, headers={"Allow": ", ".join(sorted(methods))})
+        await self._proxy(scope, receive, send)

@@ -27,6 +27,9 @@ from router.errors import NoBackendAvailable
 from router.outlier import Outlier
 
 _EWMA = 0.2  # weight of the newest request duration in the pool's running mean
+# Retry-After on the pool's 503s, seconds: a guess from the measured durations, within these.
+RETRY_AFTER_FLOOR = 1
+RETRY_AFTER_CAP = 60
 
 
 class FirstTokens:
@@ -124,7 +127,7 @@ class Pool:
             "interactive": deque(),
             "batch": deque(),
         }
-        self.mean_duration = 10.0  # seconds a request takes here, a running mean
+        self.mean_duration: float | None = None  # seconds a request takes here, a running mean (None: none yet)
 
     def queued(self, job: JobClass | None = None) -> int:
         if job is not None:
@@ -144,7 +147,7 @@ class Pool:
             why = "is being drained"
         else:
             why = "has no healthy backend" if self.backends else "was removed from the configuration"
-        return NoBackendAvailable(f"pool {self.name!r} {why}", retry_after=5, code="pool_unavailable")
+        return NoBackendAvailable(f"pool {self.name!r} {why}", retry_after=self._retry_after(), code="pool_unavailable")
 
     async def acquire(self, job: JobClass, *, exclude: frozenset[str] = frozenset()) -> Backend:
         if not self.accepting:
@@ -154,7 +157,11 @@ class Pool:
             if backend is not None:
                 return backend
             if exclude:
-                raise NoBackendAvailable(f"pool {self.name!r} has no other backend free", code="pool_unavailable")
+                raise NoBackendAvailable(
+                    f"pool {self.name!r} has no other backend free",
+                    retry_after=self._retry_after(),
+                    code="pool_unavailable",
+                )
         if self.queued() >= self.queue_size:
             raise NoBackendAvailable(
                 f"pool {self.name!r} is full and its queue holds {self.queue_size} requests",
@@ -185,7 +192,8 @@ class Pool:
     def release(self, backend: Backend, *, duration: float | None = None) -> None:
         backend.in_flight -= 1
         if duration is not None:
-            self.mean_duration += _EWMA * (duration - self.mean_duration)
+            mean = self.mean_duration
+            self.mean_duration = duration if mean is None else mean + _EWMA * (duration - mean)
         self.wake()
 
     def wake(self) -> None:
@@ -217,9 +225,17 @@ class Pool:
         return backend
 
     def _retry_after(self) -> int:
-        capacity = sum(b.max_concurrency for b in self.backends if b.accepting) or 1
-        wait = self.mean_duration * (self.queued() + 1) / capacity
-        return max(1, min(60, math.ceil(wait)))
+        """When a slot is likely free for one more request: the queue ahead of it served at the
+        pool's measured pace (its running mean duration over its slots). Before anything is
+        measured, the floor: a guess would be no better, and a too-long one idles the pool."""
+        if self.mean_duration is None:
+            return RETRY_AFTER_FLOOR
+        # With no backend accepting, the slots it will have once one returns.
+        capacity = sum(b.max_concurrency for b in self.backends if b.accepting) or sum(
+            b.max_concurrency for b in self.backends
+        )
+        wait = self.mean_duration * (self.queued() + 1) / (capacity or 1)
+        return max(RETRY_AFTER_FLOOR, min(RETRY_AFTER_CAP, math.ceil(wait)))
 
 
 class Pools:

@@ -271,6 +271,15 @@ class MetricsConfig(_Model):
     models: list[str] = []
 
 
+class Responses(_Model):
+    """The Responses API's stored responses live on the engine that made them: where they went."""
+
+    # How long the router remembers which backend produced a response id, and for how many ids
+    # at most (the oldest go first). After that, or a restart, such a request is routed as usual.
+    affinity_seconds: float = Field(default=3600.0, ge=0)
+    affinity_max: int = Field(default=100_000, ge=0)
+
+
 class Batch(_Model):
     """The Batch API (`/v1/files`, `/v1/batches`): where its state lives and how hard it may push."""
 
@@ -344,6 +353,7 @@ class Settings(BaseSettings):
     log: Log = Log()
     metrics: MetricsConfig = MetricsConfig()
     batch: Batch = Batch()
+    responses: Responses = Responses()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     models_cache_seconds: float = Field(default=5.0, ge=0)
     # Pass the client's Authorization header upstream when the backend has no key of its own.

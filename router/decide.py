@@ -27,6 +27,7 @@ class Routed:
     decision: Decision
     body: bytes  # what goes upstream
     drop_usage_chunk: bool  # the stream's usage chunk was asked for by the router, not the client
+    backend: str | None = None  # the one backend that may serve it (router.affinity), if any
 
 
 def decide(

@@ -105,7 +105,8 @@ class Forwarder:
         retries = plan.retries
         decision = routed.decision
         deadline = self._clock.now() + retries.deadline  # no new attempt starts after it
-        tried: set[str] = set()
+        # A request pinned to one backend (router.affinity) may go to no other.
+        tried = {b.name for b in self._pools.backends() if b.name != routed.backend} if routed.backend else set()
         count, queue_wait = 0, 0.0
         backend: Backend | None = None
         while True:
@@ -184,7 +185,8 @@ class Forwarder:
             forward_authorization=plan.forward_authorization,
         )
         try:
-            response = await self._request(backend, incoming.arrival.target, headers, routed.body, plan)
+            arrival = incoming.arrival
+            response = await self._request(backend, arrival.method, arrival.target, headers, routed.body, plan)
         except TransportError as exc:
             return self._failed(backend, exc)
         status = response.status
@@ -200,7 +202,7 @@ class Forwarder:
         return await self._whole_or_stream(incoming, plan, backend, response)
 
     async def _request(
-        self, backend: Backend, target: str, headers: list[tuple[str, str]], body: bytes, plan: Plan
+        self, backend: Backend, method: str, target: str, headers: list[tuple[str, str]], body: bytes, plan: Plan
     ) -> Response:
         """The request to `backend`, until its response head. One the transport could not write at
         all (NotSent: the engine had closed the pooled connection first) goes to the same backend
@@ -210,7 +212,13 @@ class Forwarder:
         while True:
             try:
                 return await self._transport.request(
-                    backend.url, target, headers=headers, body=body, timeouts=plan.timeouts, limits=plan.head_limits
+                    backend.url,
+                    target,
+                    method=method,
+                    headers=headers,
+                    body=body,
+                    timeouts=plan.timeouts,
+                    limits=plan.head_limits,
                 )
             except NotSent:
                 if resends == _NOT_SENT_RESENDS:
@@ -276,6 +284,6 @@ class Forwarder:
         pool = self._pools.get(decision.pool)
         if pool is not None and pool.has_other(tried):
             return decision.pool
-        if not plan.retries.cross_pool or decision.reason == "pinned":
+        if not plan.retries.cross_pool or decision.reason in ("pinned", "response_affinity"):
             return None
         return next((pool.name for pool in self._pools if pool.has_other(tried)), None)

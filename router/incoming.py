@@ -17,6 +17,7 @@ class Arrival:
     """What the request line and headers say, before anything is checked."""
 
     request_id: str
+    method: str  # GET, HEAD, POST or DELETE (the methods the proxy serves)
     path: str  # percent-decoded, for the router's own decisions
     target: str  # the path and query exactly as the client sent them, forwarded as they are
     headers: Mapping[str, str]  # lower-cased names, as the client sent them
@@ -32,7 +33,9 @@ class Incoming:
     api_key: str | None
     client: str  # who sent it (router.clients.client_id); logged only as a hash
     body: bytes
-    payload: Mapping[str, Any]  # the JSON object of the body; never changed
+    # The JSON object of the body; never changed. Empty for a body that is not JSON (multipart,
+    # audio) or a GET or DELETE: those are forwarded byte for byte, classified by headers alone.
+    payload: Mapping[str, Any]
 
     @property
     def stream(self) -> bool:

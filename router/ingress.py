@@ -2,13 +2,16 @@
 
 Checks the path and the client's key (before the body is read), drops the override headers
 this client may not use, reads the body within its size and time limits, and parses it as a
-JSON object within the depth limit. Hands on an `Incoming`, or raises the client's error.
+JSON object within the depth limit. A body that says it is something else (`multipart/form-data`,
+audio, ...) and the body of a GET or DELETE are not parsed: they go upstream byte for byte, and
+only headers and rules classify them. Hands on an `Incoming`, or raises the client's error.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
+from typing import Any
 
 from starlette.types import Receive, Scope
 
@@ -20,13 +23,16 @@ from router.incoming import Arrival, Incoming, field_of
 from router.payload import parse_json, read_body
 from router.plan import Plan
 
+# Media types read as JSON (curl's `-d` sends the form type whatever the body is).
+_JSON_LIKE = frozenset({"", "application/json", "text/plain", "application/x-www-form-urlencoded"})
 # Control characters (C0 and DEL), which no path has once decoded.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def arrive(scope: Scope, now: float) -> Arrival:
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-    return Arrival(headers.get("x-request-id") or uuid.uuid4().hex, scope["path"], _raw_target(scope), headers, now)
+    request_id = headers.get("x-request-id") or uuid.uuid4().hex
+    return Arrival(request_id, scope["method"], scope["path"], _raw_target(scope), headers, now)
 
 
 async def accept(arrival: Arrival, scope: Scope, receive: Receive, plan: Plan) -> Incoming:
@@ -43,13 +49,30 @@ async def accept(arrival: Arrival, scope: Scope, receive: Receive, plan: Plan) -
     body = await read_body(
         receive, limit=plan.max_body_bytes, within=plan.client_body_seconds, declared=headers.get("content-length")
     )
-    payload = parse_json(body, max_depth=plan.json_depth)
-    if not isinstance(payload, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    payload = _payload(arrival.method, headers.get("content-type"), body, plan.json_depth)
     address = scope["client"][0] if scope.get("client") else None
     user = field_of(payload, "user", str)
     client = client_id(api_key if plan.auth.required else None, user, address)
     return Incoming(arrival, headers, api_key, client, body, payload)
+
+
+def _payload(method: str, content_type: str | None, body: bytes, max_depth: int) -> dict[str, Any]:
+    """The body's JSON object, for a POST that is JSON or does not say what it is; else nothing."""
+    if method != "POST" or not _json_or_unsaid(content_type):
+        return {}
+    payload = parse_json(body, max_depth=max_depth)
+    if not isinstance(payload, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    return payload
+
+
+def _json_or_unsaid(content_type: str | None) -> bool:
+    # Many clients send JSON without a Content-Type (or as text/plain, curl's -d sends a form
+    # type): only a type that is plainly something else is left unparsed.
+    if content_type is None:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media in _JSON_LIKE or media.endswith("+json")
 
 
 def _raw_target(scope: Scope) -> str:

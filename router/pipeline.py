@@ -15,11 +15,14 @@ upstream request).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import anyio
 import anyio.lowlevel
 from starlette.types import Message, Receive, Scope, Send
 
 from router import ingress
+from router.affinity import ResponseOwners, made_response, response_ref
 from router.backends import Pools
 from router.clients import Clients
 from router.clock import Clock
@@ -46,6 +49,7 @@ class Pipeline:
         speeds: SpeedModel,
         forwarder: Forwarder,
         observer: Observer,
+        owners: ResponseOwners,
         clock: Clock,
     ) -> None:
         self._pools = pools
@@ -53,6 +57,7 @@ class Pipeline:
         self._speeds = speeds
         self._forwarder = forwarder
         self._observer = observer
+        self._owners = owners
         self._clock = clock
         self.plan: Plan | None = None  # set by Router.apply, swapped whole on a reload
         self._serving: set[anyio.CancelScope] = set()  # one per request being served
@@ -85,6 +90,7 @@ class Pipeline:
                         acceptance_max_age=plan.acceptance_max_age,
                     ),
                 )
+                routed = self._to_owner(incoming, routed)
                 self._observer.decided(routed.decision)
                 request.decision = routed.decision
                 # Forwarding and relay, cancelled at once if the client leaves.
@@ -150,9 +156,32 @@ class Pipeline:
                 request.outcome = await relay_whole(send, result.response, result.content, headers)
             else:
                 request.outcome = await self._relay_stream(send, incoming, routed, plan, result, request, headers)
+            self._note_owner(incoming, result, request.outcome)
         finally:
             await result.response.aclose()
             self._forwarder.release(incoming, result)
+
+    def _to_owner(self, incoming: Incoming, routed: Routed) -> Routed:
+        """A request naming a stored response goes to the backend that made it, if remembered."""
+        arrival = incoming.arrival
+        ref = response_ref(arrival.method, arrival.path, incoming.payload)
+        name = self._owners.owner(ref, self._clock.now()) if ref is not None else None
+        owner = next((b for b in self._pools.backends() if b.name == name), None) if name is not None else None
+        if owner is None:
+            return routed  # not remembered (expired, a restart) or no longer configured: as usual
+        decision = replace(routed.decision, pool=owner.pool, reason="response_affinity")
+        return replace(routed, decision=decision, backend=owner.name)
+
+    def _note_owner(self, incoming: Incoming, answer: Answer, outcome: Outcome) -> None:
+        arrival = incoming.arrival
+        if outcome.status >= 400:
+            return
+        if outcome.response_id is not None and made_response(arrival.method, arrival.path):
+            self._owners.remember(outcome.response_id, answer.backend.name, self._clock.now())
+        elif arrival.method == "DELETE":
+            ref = response_ref(arrival.method, arrival.path, incoming.payload)
+            if ref is not None:
+                self._owners.forget(ref)
 
     async def _relay_stream(
         self,

@@ -25,6 +25,7 @@ class Outcome:
     code: str | None = None  # the router's error code, when it ended the stream with one
     tokens: int | None = None
     prompt_tokens: int | None = None
+    response_id: str | None = None  # the answer's `id` (a stored response's, for router.affinity)
 
 
 @dataclass(slots=True)
@@ -36,10 +37,11 @@ class Progress:
 
 
 async def relay_whole(send: Send, response: Response, content: bytes, route_headers: dict[str, str]) -> Outcome:
-    tokens = prompt_tokens = None
+    tokens = prompt_tokens = answer_id = None
     if response.status < 400 and (response.header(b"content-type") or b"").startswith(b"application/json"):
         try:
-            usage = json.loads(content).get("usage")
+            answer = json.loads(content)
+            usage, answer_id = answer.get("usage"), answer.get("id")
         except (ValueError, AttributeError, RecursionError):
             usage = None
         tokens, prompt_tokens = sse.completion_tokens(usage), sse.prompt_tokens(usage)
@@ -47,7 +49,8 @@ async def relay_whole(send: Send, response: Response, content: bytes, route_head
     headers.append((b"content-length", str(len(content)).encode()))
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     await send({"type": "http.response.body", "body": content})
-    return Outcome(response.status, tokens=tokens, prompt_tokens=prompt_tokens)
+    response_id = answer_id if isinstance(answer_id, str) else None
+    return Outcome(response.status, tokens=tokens, prompt_tokens=prompt_tokens, response_id=response_id)
 
 
 async def relay_stream(
@@ -79,4 +82,4 @@ async def relay_stream(
     except (TransportError, sse.EventTooLarge) as exc:
         status, code, tail = broken(exc if isinstance(exc, TransportError) else TooLarge(str(exc)))
     await send({"type": "http.response.body", "body": tail, "more_body": False})
-    return Outcome(status, code, watch.completion_tokens, sse.prompt_tokens(watch.usage))
+    return Outcome(status, code, watch.completion_tokens, sse.prompt_tokens(watch.usage), watch.response_id)

@@ -21,6 +21,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from yarl import URL
 
+from router.affinity import ResponseOwners
 from router.backends import Backend, Pools
 from router.clients import Clients
 from router.clock import Clock, MonotonicClock
@@ -88,12 +89,14 @@ class Router:
         self.transport = AiohttpTransport(connections_per_origin=1, tls=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
         self.clients = Clients(clock=self.clock)
         observer = Observer(self.metrics, self.speeds)
+        self.owners = ResponseOwners()  # which backend made each stored response (Responses API)
         self.pipeline = Pipeline(
             pools=self.pools,
             clients=self.clients,
             speeds=self.speeds,
             forwarder=Forwarder(self.pools, self.transport, observer, self.clock),
             observer=observer,
+            owners=self.owners,
             clock=self.clock,
         )
         self.catalog = ModelCatalog(self.pools, self.transport, clock=self.clock)
@@ -166,6 +169,7 @@ class Router:
         self.health.configure(settings.health)
         self.scraper.configure(settings.scrape)
         self.speeds.configure(settings.learn)
+        self.owners.configure(settings.responses)
         self._configured_models = frozenset(
             {rule.rewrite_model for rule in settings.classify.rules if rule.rewrite_model}
             | set(settings.metrics.models)

@@ -11,6 +11,9 @@ from router.content import CONTENT_KINDS
 from router.learn import SpeedModel
 from router.policy import PoolState
 
+# The duration assumed of a request on a pool that has measured none yet, for the prediction.
+UNMEASURED_DURATION = 10.0
+
 
 def snapshot(
     pools: Pools,
@@ -80,4 +83,5 @@ def predicted_ttft(backend: Backend, pool: Pool, *, now: float, kv_threshold: fl
     if not (waiting or queued or slots_full or no_room):
         return base
     running = max(1.0, float(backend.in_flight), (reading.running or 0.0) if fresh else 0.0)
-    return base + (waiting + queued + 1) * pool.mean_duration / running
+    duration = pool.mean_duration if pool.mean_duration is not None else UNMEASURED_DURATION
+    return base + (waiting + queued + 1) * duration / running

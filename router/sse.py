@@ -33,6 +33,7 @@ class StreamWatch:
         self.saw_content = False
         self.usage: dict[str, Any] | None = None
         self.error: str | None = None  # the message of an in-stream error event, if one came
+        self.response_id: str | None = None  # from the Responses API's `response.created` event
 
     def feed(self, chunk: bytes) -> bytes:
         """Take bytes from upstream; return the bytes to send on to the client now."""
@@ -69,8 +70,12 @@ class StreamWatch:
         payload = _json_payload(event)
         if payload is None:
             return event
-        if not self.saw_content and _has_content(payload):
-            self.saw_content = True
+        if not self.saw_content:
+            # Events before the first content are read anyway: `response.created` is among them.
+            self.saw_content = _has_content(payload)
+            if payload.get("type") == "response.created" and isinstance(payload.get("response"), dict):
+                response_id = payload["response"].get("id")
+                self.response_id = response_id if isinstance(response_id, str) else None
         if isinstance(payload.get("error"), dict):
             self.error = str(payload["error"].get("message", "error"))
         usage = payload.get("usage") or _nested_usage(payload)

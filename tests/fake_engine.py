@@ -40,7 +40,9 @@ Fault = Literal["503", "die", "stall"]
 class Seen:
     path: str
     headers: dict[str, str]
-    body: dict[str, Any]
+    body: dict[str, Any]  # the JSON body ({} for one that is not JSON)
+    method: str = "POST"
+    raw: bytes = b""  # the body as it arrived
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class FakeEngine:
     models_answer: Any = None  # answer /v1/models with this JSON instead of the model list
     stats: Counter[str] = field(default_factory=Counter)  # requests, faults drawn, aborted
     echo_request_id: bool = True
+    name: str = ""  # in the ids of its stored responses (`resp-<name><n>`), to tell engines apart
+    stored: dict[str, dict[str, Any]] = field(default_factory=dict)  # stored responses, by id
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.chaos.seed if self.chaos else None)
@@ -92,7 +96,11 @@ class FakeEngine:
                 Route("/v1/completions", self._generate, methods=["POST"]),
                 Route("/v1/embeddings", self._embeddings, methods=["POST"]),
                 Route("/v1/responses", self._responses, methods=["POST"]),
+                Route("/v1/responses/{id}", self._stored_response, methods=["GET", "DELETE"]),
+                Route("/v1/responses/{id}/input_items", self._input_items, methods=["GET"]),
+                Route("/v1/audio/transcriptions", self._transcriptions, methods=["POST"]),
                 Route("/v1/models", self._models),
+                Route("/v1/models/{id:path}", self._model, methods=["GET"]),
                 Route("/health", self._health),
                 Route("/metrics", self._metrics),
                 Route("/stats", self._stats),
@@ -151,9 +159,68 @@ class FakeEngine:
             }
         )
 
+    def _seen(self, request: Request, raw: bytes, body: dict[str, Any] | None = None) -> None:
+        self.stats["requests"] += 1
+        if self.record:
+            self.requests.append(Seen(request.url.path, dict(request.headers), body or {}, request.method, raw))
+
     async def _responses(self, request: Request) -> Response:
         body = await self._record(request)
-        return JSONResponse({"id": "resp-1", "object": "response", "model": body["model"], "output": []})
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in self.stored:
+            return _not_found(f"Response with id '{previous}' not found.")
+        response_id = f"resp-{self.name}{len(self.stored) + 1}"
+        text = {"type": "output_text", "text": "hello", "annotations": []}
+        message = {"type": "message", "id": "msg-1", "role": "assistant", "status": "completed", "content": [text]}
+        answer = {
+            "id": response_id,
+            "object": "response",
+            "created_at": 0,
+            "model": body["model"],
+            "status": "completed",
+            "output": [message],
+            "parallel_tool_calls": False,
+            "tool_choice": "auto",
+            "tools": [],
+            "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4},
+        }
+        self.stored[response_id] = {**answer, "input": body.get("input")}
+        if body.get("stream"):
+            return StreamingResponse(_response_events(answer), media_type="text/event-stream")
+        return JSONResponse(answer)
+
+    async def _stored_response(self, request: Request) -> Response:
+        self._seen(request, await request.body())
+        response_id = request.path_params["id"]
+        stored = self.stored.get(response_id)
+        if stored is None:
+            return _not_found(f"Response with id '{response_id}' not found.")
+        if request.method == "DELETE":
+            del self.stored[response_id]
+            return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+        return JSONResponse({k: v for k, v in stored.items() if k != "input"})
+
+    async def _input_items(self, request: Request) -> Response:
+        self._seen(request, await request.body())
+        stored = self.stored.get(request.path_params["id"])
+        if stored is None:
+            return _not_found("Response not found.")
+        item = {"id": "in-1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]}
+        page = {"object": "list", "data": [item], "first_id": "in-1", "last_id": "in-1", "has_more": False}
+        return JSONResponse(page)
+
+    async def _transcriptions(self, request: Request) -> Response:
+        raw = await request.body()
+        self._seen(request, raw)
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise HTTPException(400, "expected multipart/form-data")
+        return JSONResponse({"text": f"{len(raw)} bytes heard"})
+
+    async def _model(self, request: Request) -> Response:
+        self._seen(request, await request.body())
+        if request.path_params["id"] != self.model:
+            return _not_found(f"The model `{request.path_params['id']}` does not exist.")
+        return JSONResponse({"id": self.model, "object": "model", "created": 0, "owned_by": "fake"})
 
     async def _generate(self, request: Request) -> Response:
         body = await self._record(request)
@@ -265,6 +332,20 @@ class FakeEngine:
             if not finished:
                 self.aborted += 1
             self.open -= 1
+
+
+def _not_found(message: str) -> JSONResponse:
+    error = {"message": message, "type": "NotFoundError", "param": None, "code": 404}
+    return JSONResponse({"error": error}, status_code=404)
+
+
+async def _response_events(answer: dict[str, Any]) -> AsyncIterator[str]:
+    """The Responses API's stream, as vLLM sends it: typed events, the id in the first."""
+    started = {**answer, "status": "in_progress", "output": [], "usage": None}
+    yield _event({"type": "response.created", "sequence_number": 0, "response": started})
+    delta = {"type": "response.output_text.delta", "sequence_number": 1, "item_id": "msg-1"}
+    yield _event({**delta, "output_index": 0, "content_index": 0, "delta": "hello", "logprobs": []})
+    yield _event({"type": "response.completed", "sequence_number": 2, "response": answer})
 
 
 def _event(payload: dict[str, Any]) -> str:

@@ -110,10 +110,17 @@ def test_unknown_path_is_404(cluster: Cluster) -> None:
 
 
 def test_wrong_method_is_405(cluster: Cluster) -> None:
-    response = httpx.get(cluster.base_url + "/chat/completions")
+    response = httpx.put(cluster.base_url + "/chat/completions")
     _assert_openai_error(response, 405)
-    assert response.headers["allow"] == "POST"
-    _assert_openai_error(httpx.delete(cluster.base_url + "/models"), 405)
+    assert set(response.headers["allow"].split(", ")) == {"DELETE", "GET", "HEAD", "POST"}
+    # The router's own list of models: no other method is forwarded.
+    for method in ("DELETE", "POST"):
+        response = httpx.request(method, cluster.base_url + "/models")
+        _assert_openai_error(response, 405)
+        assert response.headers["allow"] == "GET, HEAD"
+    response = httpx.delete(cluster.base_url + "/files")  # the Batch API's, on by default
+    _assert_openai_error(response, 405)
+    assert response.headers["allow"] == "GET, HEAD, POST"
     _nothing_forwarded(cluster)
 
 

@@ -168,6 +168,8 @@ RELOADABLE: dict[str, tuple[Any, Observe]] = {
     "batch.max_attempts": (2, lambda r: r.batch.max_attempts),
     "batch.retry_backoff": (2.0, lambda r: r.batch.retry_backoff),
     "batch.upload_timeout": (2.0, lambda r: r.batch.upload_timeout),
+    "responses.affinity_seconds": (1.0, lambda r: r.owners._ttl),
+    "responses.affinity_max": (10, lambda r: r.owners._max),
     "max_body_bytes": (10, lambda r: r.plan.max_body_bytes),
     "models_cache_seconds": (1.0, lambda r: r.catalog._ttl),
     "forward_client_authorization": (True, lambda r: r.plan.forward_authorization),

@@ -1,0 +1,78 @@
+"""Responses API affinity: which backend produced a stored response.
+
+An engine keeps the responses it made (`store: true`, vLLM's and OpenAI's default); another
+engine has never heard of them and answers 404. So the router remembers, for a while and for a
+bounded number of ids, which backend answered with each response id, and sends what names that
+id (`previous_response_id`, `GET`/`DELETE /v1/responses/{id}`) back there. Forgotten ids (expired,
+evicted, or a restart) are routed as usual.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+from router.config import Responses
+
+# /v1/responses/{id}, /v1/responses/{id}/input_items, /v1/responses/{id}/cancel
+_BY_ID = re.compile(r"^/v1/responses/([^/]+)(?:/[^/]+)?$")
+
+
+def response_ref(method: str, path: str, payload: Mapping[str, Any]) -> str | None:
+    """The stored response a request names, if any."""
+    match = _BY_ID.match(path)
+    if match is not None:
+        return match.group(1)
+    if method == "POST" and path == "/v1/responses":
+        previous = payload.get("previous_response_id")
+        return previous if isinstance(previous, str) else None
+    return None
+
+
+def made_response(method: str, path: str) -> bool:
+    """Whether the answer to this request is a new stored response (its `id` worth remembering)."""
+    return method == "POST" and path == "/v1/responses"
+
+
+class ResponseOwners:
+    """Response id -> backend name, each for `affinity_seconds`, at most `affinity_max` of them."""
+
+    def __init__(self) -> None:
+        self._owners: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (backend, expiry)
+        self.configure(Responses())
+
+    def configure(self, config: Responses) -> None:
+        self._ttl = config.affinity_seconds
+        self._max = config.affinity_max
+        self._trim()
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def remember(self, response_id: str, backend: str, now: float) -> None:
+        if self._ttl <= 0 or self._max <= 0:
+            return
+        self._owners[response_id] = (backend, now + self._ttl)
+        self._owners.move_to_end(response_id)
+        self._trim(now)
+
+    def owner(self, response_id: str, now: float) -> str | None:
+        found = self._owners.get(response_id)
+        if found is None:
+            return None
+        if found[1] <= now:
+            del self._owners[response_id]
+            return None
+        return found[0]
+
+    def forget(self, response_id: str) -> None:
+        self._owners.pop(response_id, None)
+
+    def _trim(self, now: float | None = None) -> None:
+        # Entries are in the order they were remembered, with one lifetime: the oldest expire first.
+        while self._owners and (
+            len(self._owners) > self._max or (now is not None and next(iter(self._owners.values()))[1] <= now)
+        ):
+            self._owners.popitem(last=False)
