@@ -1,0 +1,306 @@
+"""The rest of the OpenAI surface through the router: GET and DELETE under /v1/, bodies that are
+not JSON (multipart uploads), the Responses API's stored responses on the backend that made them,
+and Retry-After from what a pool has measured. The official `openai` SDK as the client, fake
+engines (tests/fake_engine.py) behind, raw sockets for what a hostile client sends.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from router.clock import ManualClock
+from tests.conftest import Cluster
+from tests.test_hostile_client import _assert_unharmed, _error, _exchange, _nothing_forwarded, _parse
+from tests.wait import wait_until
+
+MakeCluster = Callable[..., AbstractContextManager[Cluster]]
+MODEL = "test-model"
+BOUNDARY = "specroute-test-boundary"
+
+
+def _client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=30)
+
+
+def _all_requests(cluster: Cluster) -> list[tuple[str, str]]:
+    engines = [cluster.fast, *cluster.more_fast, cluster.team]
+    return [(seen.method, seen.path) for engine in engines for seen in engine.requests]
+
+
+# -- GET and DELETE ----------------------------------------------------------------------------
+
+
+def test_models_retrieve_is_forwarded_and_the_list_stays_the_routers(cluster: Cluster) -> None:
+    client = _client(cluster)
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.owned_by == "fake"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")  # the engine's own 404, passed on
+    assert [m.id for m in client.models.list()] == [MODEL]  # the router's union, not forwarded
+    assert _all_requests(cluster) == [("GET", "/v1/models/test-model"), ("GET", "/v1/models/no-such-model")]
+
+
+# -- bodies that are not JSON -------------------------------------------------------------------
+
+
+def test_an_audio_upload_is_forwarded_byte_for_byte(cluster: Cluster) -> None:
+    audio = bytes(range(256)) * 40  # not UTF-8, not JSON
+    answer = _client(cluster).audio.transcriptions.create(model=MODEL, file=("clip.wav", audio, "audio/wav"))
+    (seen,) = [s for s in [*cluster.fast.requests, *cluster.team.requests]]
+    assert seen.method == "POST" and seen.path == "/v1/audio/transcriptions"
+    assert seen.headers["content-type"].startswith("multipart/form-data; boundary=")
+    assert audio in seen.raw
+    assert answer.text == f"{len(seen.raw)} bytes heard"
+
+
+def _multipart(payload: bytes) -> bytes:
+    return (
+        (
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+            "Content-Type: audio/wav\r\n\r\n"
+        ).encode()
+        + payload
+        + f'\r\n--{BOUNDARY}\r\nContent-Disposition: form-data; name="model"\r\n\r\n{MODEL}\r\n'.encode()
+        + f"--{BOUNDARY}--\r\n".encode()
+    )
+
+
+def _raw_request(method: str, target: str, body: bytes = b"", **headers: str) -> bytes:
+    fields = {"host": "router", "connection": "close", **({"content-length": str(len(body))} if body else {})}
+    fields.update({name.replace("_", "-"): value for name, value in headers.items()})
+    head = "".join(f"{name}: {value}\r\n" for name, value in fields.items())
+    return f"{method} {target} HTTP/1.1\r\n{head}\r\n".encode() + body
+
+
+@pytest.mark.anyio
+async def test_raw_multipart_reaches_the_engine_exactly_and_is_never_parsed(cluster: Cluster) -> None:
+    # Bytes that are no JSON and not even well-formed multipart inside: the engine's to judge.
+    body = _multipart(b"\x00\xff{not json" * 100)
+    request = _raw_request(
+        "POST", "/v1/audio/transcriptions", body, content_type=f"multipart/form-data; boundary={BOUNDARY}"
+    )
+    status, headers, answer = _parse(await _exchange(cluster.router.port, request))
+    assert status == 200, answer
+    assert "x-route-backend" in headers
+    (seen,) = [*cluster.fast.requests, *cluster.team.requests]
+    assert seen.raw == body
+    assert seen.headers["content-type"] == f"multipart/form-data; boundary={BOUNDARY}"
+    _assert_unharmed(cluster)
+
+
+@pytest.mark.anyio
+async def test_a_multipart_body_over_the_limit_is_413_declared_or_chunked(make_cluster: MakeCluster) -> None:
+    with make_cluster(max_body_bytes=2000) as cluster:
+        body = _multipart(b"a" * 5000)
+        kind = f"multipart/form-data; boundary={BOUNDARY}"
+        declared = _raw_request("POST", "/v1/audio/transcriptions", body, content_type=kind)
+        _error(await _exchange(cluster.router.port, declared), 413, "body_too_large")
+        # No Content-Length: found over the limit as it arrives.
+        chunks = b"".join(
+            b"%x\r\n%s\r\n" % (len(body[i : i + 1000]), body[i : i + 1000]) for i in range(0, len(body), 1000)
+        )
+        chunked = _raw_request("POST", "/v1/audio/transcriptions", content_type=kind, transfer_encoding="chunked")
+        _error(await _exchange(cluster.router.port, chunked + chunks + b"0\r\n\r\n"), 413, "body_too_large")
+        _nothing_forwarded(cluster)
+        _assert_unharmed(cluster)
+
+
+@pytest.mark.anyio
+async def test_a_delete_with_a_body_is_forwarded_as_it_came(cluster: Cluster) -> None:
+    body = b"\x01 a body no DELETE needs \xfe"
+    request = _raw_request("DELETE", "/v1/responses/resp-nope", body, content_type="application/octet-stream")
+    status, _, answer = _parse(await _exchange(cluster.router.port, request))
+    assert status == 404 and json.loads(answer)["error"]["code"] == 404  # the engine's answer
+    (seen,) = [*cluster.fast.requests, *cluster.team.requests]
+    assert (seen.method, seen.path, seen.raw) == ("DELETE", "/v1/responses/resp-nope", body)
+    _assert_unharmed(cluster)
+
+
+@pytest.mark.anyio
+async def test_a_get_with_a_huge_query_is_forwarded_within_the_head_limit_and_431_past_it(cluster: Cluster) -> None:
+    target = "/v1/models/test-model?q=" + "a" * 12_000
+    status, _, answer = _parse(await _exchange(cluster.router.port, _raw_request("GET", target)))
+    assert status == 200 and json.loads(answer)["id"] == MODEL
+    assert [seen.path for seen in cluster.fast.requests + cluster.team.requests] == ["/v1/models/test-model"]
+    cluster.fast.requests.clear()
+    cluster.team.requests.clear()
+    over = "/v1/models/test-model?q=" + "a" * 70_000  # over the default 64 KiB request head
+    _error(await _exchange(cluster.router.port, _raw_request("GET", over)), 431, "request_head_too_large")
+    _nothing_forwarded(cluster)
+    _assert_unharmed(cluster)
+
+
+@pytest.mark.anyio
+async def test_a_get_under_v1_models_with_a_json_body_that_is_not_json_is_not_parsed(cluster: Cluster) -> None:
+    # A GET's body is never read as JSON: no 400 invalid_json for what the router never looks at.
+    request = _raw_request("GET", "/v1/models/test-model", b"{{{", content_type="application/json")
+    status, _, _ = _parse(await _exchange(cluster.router.port, request))
+    assert status == 200
+    _assert_unharmed(cluster)
+
+
+# -- the Responses API: back to the backend that made the response -------------------------------
+
+
+@pytest.fixture
+def two_backends(make_cluster: MakeCluster) -> Iterator[tuple[Cluster, ManualClock]]:
+    clock = ManualClock()
+    with make_cluster(
+        fast_backends=2, live_clock=clock, routing={"mode": "static"}, responses={"affinity_seconds": 60}
+    ) as cluster:
+        cluster.fast.name, cluster.more_fast[0].name = "a", "b"
+        yield cluster, clock
+
+
+def _on_fast_2(cluster: Cluster, make: Callable[[], Any]) -> Any:
+    """Made while fast-1 is drained, so on fast-2; fast-1, first and idle, is where anything else goes."""
+    router = cluster.app.state.router
+    router.set_draining(backend="fast-1", draining=True)
+    try:
+        return make()
+    finally:
+        router.set_draining(backend="fast-1", draining=False)
+
+
+def test_a_stored_response_is_retrieved_continued_and_deleted_on_the_backend_that_made_it(
+    two_backends: tuple[Cluster, ManualClock],
+) -> None:
+    cluster, _ = two_backends
+    b = cluster.more_fast[0]
+    client = _client(cluster)
+    made = _on_fast_2(cluster, lambda: client.responses.create(model=MODEL, input="hi"))
+    assert made.id == "resp-b1"
+    # Without affinity these would go to fast-1, which never heard of it (404).
+    assert client.responses.retrieve(made.id).id == made.id
+    assert [item.id for item in client.responses.input_items.list(made.id)] == ["in-1"]
+    follow = client.responses.create(model=MODEL, input="more", previous_response_id=made.id)
+    assert follow.id == "resp-b2"
+    assert [(seen.method, seen.path) for seen in b.requests] == [
+        ("POST", "/v1/responses"),
+        ("GET", f"/v1/responses/{made.id}"),
+        ("GET", f"/v1/responses/{made.id}/input_items"),
+        ("POST", "/v1/responses"),
+    ]
+    assert cluster.fast.requests == []
+    client.responses.delete(made.id)
+    assert made.id not in b.stored
+    # Forgotten once deleted: routed as usual, and fast-1 answers its own 404.
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
+    assert [(seen.method, seen.path) for seen in cluster.fast.requests] == [("GET", f"/v1/responses/{made.id}")]
+
+
+def test_a_streamed_response_is_remembered_from_its_created_event(two_backends: tuple[Cluster, ManualClock]) -> None:
+    cluster, _ = two_backends
+    client = _client(cluster)
+
+    def stream() -> str:
+        events = list(client.responses.create(model=MODEL, input="hi", stream=True))
+        assert events[0].type == "response.created"
+        return events[0].response.id
+
+    made = _on_fast_2(cluster, stream)
+    assert made == "resp-b1"
+    assert client.responses.retrieve(made).id == made
+    assert cluster.fast.requests == []
+
+
+def test_after_the_affinity_time_a_request_is_routed_as_usual(two_backends: tuple[Cluster, ManualClock]) -> None:
+    cluster, clock = two_backends
+    client = _client(cluster)
+    made = _on_fast_2(cluster, lambda: client.responses.create(model=MODEL, input="hi"))
+    clock.advance(59)
+    assert client.responses.retrieve(made.id).id == made.id
+    clock.advance(2)  # 61 s after it was made: forgotten
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
+    assert [seen.path for seen in cluster.fast.requests] == [f"/v1/responses/{made.id}"]
+
+
+def test_a_pinned_request_on_a_full_backend_waits_for_no_other(make_cluster: MakeCluster) -> None:
+    # The owner is busy and its pool has another backend free: the request is not sent there.
+    pools = {"fast": {"backends": {"fast-1": {"max_concurrency": 1}, "fast-2": {"max_concurrency": 1}}}}
+    with make_cluster(fast_backends=2, pools=pools, routing={"mode": "static"}) as cluster:
+        cluster.fast.name, cluster.more_fast[0].name = "a", "b"
+        client = _client(cluster)
+        made = _on_fast_2(cluster, lambda: client.responses.create(model=MODEL, input="hi"))
+        gate = threading.Event()
+        b = cluster.more_fast[0]
+        b.gate = gate
+        completion = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        with ThreadPoolExecutor(1) as executor:
+
+            def hold() -> Any:
+                held = executor.submit(httpx.post, cluster.base_url + "/completions", json=completion, timeout=30)
+                wait_until(lambda: b.open == 1, message="a request held on fast-2")
+                return held
+
+            held = _on_fast_2(cluster, hold)
+            answer = httpx.get(cluster.base_url + f"/responses/{made.id}", timeout=30)
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "pool_unavailable"
+            assert answer.headers["retry-after"].isdigit()
+            gate.set()
+            assert held.result().status_code == 200
+        assert [seen.path for seen in cluster.fast.requests] == []
+        assert client.responses.retrieve(made.id).id == made.id
+
+
+# -- Retry-After from what the pool measured ------------------------------------------------------
+
+
+def test_retry_after_is_1_s_before_anything_is_measured_then_follows_the_measured_durations(
+    make_cluster: MakeCluster,
+) -> None:
+    clock = ManualClock()
+    pools = {"fast": {"queue_size": 0, "backends": {"fast-1": {"max_concurrency": 1}}}}
+    with make_cluster(pools=pools, routing={"mode": "static"}, live_clock=clock) as cluster:
+        url = cluster.base_url + "/completions"
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        pinned = {"x-route-pool": "fast"}
+
+        def held_for(seconds: float) -> httpx.Response:
+            """A second request turned away while one is held for `seconds` of the router's clock."""
+            gate = threading.Event()
+            cluster.fast.gate = gate
+            with ThreadPoolExecutor(1) as executor:
+                first = executor.submit(httpx.post, url, json=body, headers=pinned, timeout=30)
+                wait_until(lambda: cluster.fast.open == 1, message="a request held")
+                turned_away = httpx.post(url, json=body, headers=pinned, timeout=30)
+                clock.advance(seconds)
+                gate.set()
+                assert first.result().status_code == 200
+            return turned_away
+
+        cold = held_for(30)
+        assert cold.status_code == 503 and cold.json()["error"]["code"] == "queue_full"
+        assert cold.headers["retry-after"] == "1"  # nothing measured yet
+        # One request took 30 s of the pool's one slot: the next is likely in 30 s.
+        assert held_for(1000).headers["retry-after"] == "30"
+        # The running mean moved toward 1000 s: capped at 60.
+        assert held_for(1).headers["retry-after"] == "60"
+
+
+# -- the Retry-After of a pool with no backend --------------------------------------------------
+
+
+def test_a_pool_with_no_backend_answers_retry_after_from_its_measure(make_cluster: MakeCluster) -> None:
+    with make_cluster(routing={"mode": "static"}) as cluster:
+        router = cluster.app.state.router
+        router.set_draining(pool="fast", draining=True)
+        answer = httpx.post(
+            cluster.base_url + "/completions",
+            json={"model": MODEL, "prompt": "x"},
+            headers={"x-route-pool": "fast"},
+            timeout=30,
+        )
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "pool_unavailable"
+        assert answer.headers["retry-after"] == "1"
