@@ -2,6 +2,7 @@
 
     ingress  (router.ingress)   who, may they, the body            -> Incoming
     decide   (router.decide)    classification, content, snapshot  -> Routed: where and why
+             (router.affinity)  a stored response's backend, if named -> Routed pinned there
     forward  (router.forward)   the attempt loop, slots, retries   -> Answer | Failure
     relay    (router.relay)     whole or as a stream               -> Outcome
     observe  (router.observe)   metrics, learning, the access log  <- Finished
