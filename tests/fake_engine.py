@@ -108,7 +108,12 @@ class FakeEngine:
         )
 
     async def _record(self, request: Request) -> dict[str, Any]:
-        body: dict[str, Any] = await request.json()
+        try:
+            body: dict[str, Any] = await request.json()
+        except ValueError as exc:  # as vLLM: a body that is not JSON is the client's error
+            raise HTTPException(400, "the body is not JSON") from exc
+        if not isinstance(body, dict):
+            raise HTTPException(400, "the body is not a JSON object")
         self.stats["requests"] += 1
         if self.record:
             self.requests.append(Seen(request.url.path, dict(request.headers), body))
