@@ -50,17 +50,26 @@ def test_memory_of_each_engine(real: RealCluster) -> None:
 
 
 def test_the_scraper_reads_the_real_engines(cluster: RealCluster) -> None:
-    seen: dict[str, Any] = {}
+    # What the router's view of fast-1 showed while the load ran, each figure at its highest.
+    # They need not all show in one view: in CI a load of four short answers once ended between
+    # two scrapes that could show them together, so the load is sixteen long answers (the KV
+    # cache holds a few; the rest wait in the engine) and each figure is judged on its own.
+    seen: dict[str, float] = {}
+    views: list[dict[str, Any]] = []
 
     def loaded() -> bool:
         engine = cluster.backend("fast")["engine"]
-        if engine["running"] and engine["kv_usage"] and engine["acceptance"] is not None:
-            seen.update(engine)
-            return True
-        return False
+        views[:] = [engine]
+        for key in ("running", "waiting", "kv_usage", "acceptance", "accept_length"):
+            if engine[key] is not None:
+                seen[key] = max(seen.get(key, 0.0), engine[key])
+        return bool(seen.get("running")) and bool(seen.get("kv_usage")) and "acceptance" in seen
 
-    with long_requests(cluster, "fast", 4):
-        wait_for(loaded, timeout=60, what="the router's view of fast-1 shows running, KV usage and acceptance")
+    def last_view() -> str:
+        return f"the router's view of fast-1 showed running, KV usage and acceptance; seen {seen}, last {views}"
+
+    with long_requests(cluster, "fast", 16):
+        wait_for(loaded, timeout=90, what=last_view)
         labels = {"pool": "fast", "backend": "fast-1"}
         wait_for(
             lambda: (cluster.router_metric("specroute_engine_running_requests", **labels) or 0) > 0,
@@ -70,12 +79,12 @@ def test_the_scraper_reads_the_real_engines(cluster: RealCluster) -> None:
         assert (cluster.router_metric("specroute_engine_kv_cache_usage_ratio", **labels) or 0) > 0
         assert cluster.router_metric("specroute_engine_waiting_requests", **labels) is not None
         assert cluster.router_metric("specroute_engine_scrape_stale", **labels) == 0
-    assert 1 <= seen["running"] <= 4
-    assert seen["waiting"] is not None and 0 <= seen["waiting"] <= 4
+    assert 1 <= seen["running"] <= 16
+    assert 0 <= seen["waiting"] <= 16
     assert 0 < seen["kv_usage"] <= 1
     # ngram drafts on the looping random model are mostly right (about 60 %), never all wrong.
     assert 0 < seen["acceptance"] <= 1
-    assert seen["accept_length"] is not None and 1 < seen["accept_length"] <= 5  # 4 drafted + 1
+    assert 1 < seen["accept_length"] <= 5  # 4 drafted + 1
     # The standard engine drafts nothing.
     team = cluster.backend("team")["engine"]
     assert team["acceptance"] is None and team["running"] is not None and not team["stale"]
