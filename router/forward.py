@@ -229,9 +229,12 @@ class Forwarder:
     async def _whole_or_stream(
         self, incoming: Incoming, plan: Plan, backend: Backend, response: Response
     ) -> tuple[Response, bytes | None] | _Failed:
-        """An event stream the client asked for goes on as it arrives; anything else is read
-        whole first, while a failure may still be tried elsewhere."""
-        if incoming.stream and (response.header(b"content-type") or b"").startswith(b"text/event-stream"):
+        """An event stream goes on as it arrives; anything else is read whole first, while a
+        failure may still be tried elsewhere. What the engine answers decides, not what the body
+        said: a multipart upload's `stream=true` (audio transcriptions) is never read here."""
+        if (response.header(b"content-type") or b"").startswith(b"text/event-stream"):
+            if not incoming.stream:  # a stream the router could not foresee: its first token from now
+                backend.first_tokens.waiting(id(incoming), self._clock.now())
             return response, None
         try:
             return response, await response.read(limit=plan.response_body_bytes)

@@ -6,6 +6,7 @@ engines (tests/fake_engine.py) behind, raw sockets for what a hostile client sen
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -94,6 +95,50 @@ async def test_raw_multipart_reaches_the_engine_exactly_and_is_never_parsed(clus
     (seen,) = [*cluster.fast.requests, *cluster.team.requests]
     assert seen.raw == body
     assert seen.headers["content-type"] == f"multipart/form-data; boundary={BOUNDARY}"
+    _assert_unharmed(cluster)
+
+
+def _total(cluster: Cluster, name: str) -> float:
+    return sum(s.value for f in cluster.registry.collect() for s in f.samples if s.name == name)
+
+
+@pytest.mark.anyio
+async def test_a_streamed_transcription_is_relayed_as_it_arrives(cluster: Cluster) -> None:
+    # `stream=true` is a form field the router never reads: the engine's text/event-stream decides.
+    gate = threading.Event()
+    for engine in (cluster.fast, cluster.team):
+        engine.stream_gate = gate  # each holds its stream after the first event until the test has seen it
+    body = _multipart(b"\x00audio")
+    body = body.replace(
+        f"--{BOUNDARY}--".encode(),
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="stream"\r\n\r\ntrue\r\n--{BOUNDARY}--'.encode(),
+    )
+    request = _raw_request(
+        "POST", "/v1/audio/transcriptions", body, content_type=f"multipart/form-data; boundary={BOUNDARY}"
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            first = b""
+            while b"bytes" not in first:  # the first event, while the engine is still held
+                piece = await reader.read(65536)
+                assert piece, first
+                first += piece
+            assert not gate.is_set()
+            gate.set()
+            rest = await reader.read()
+    finally:
+        writer.close()
+    status, headers, answer = _parse(first + rest)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in answer.decode().split("\n") if line.startswith("data: ")]
+    text = "".join(c["delta"]["content"] for e in events[:-1] for c in json.loads(e)["choices"])
+    assert text.endswith("bytes heard") and events[-1] == "[DONE]"
+    # Accounted as a stream: a first token, and the usage the engine reported.
+    wait_until(lambda: _total(cluster, "specroute_completion_tokens_total") == 2, message="usage recorded")
+    assert _total(cluster, "specroute_time_to_first_token_seconds_count") == 1
     _assert_unharmed(cluster)
 
 
