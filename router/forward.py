@@ -116,7 +116,9 @@ class Forwarder:
                 return Failure(Attempts(decision, backend, count, queue_wait), error)
             queued_at = self._clock.now()
             try:
-                backend = await pool.acquire(decision.job, exclude=frozenset(tried))
+                # A retry goes to none tried; a pinned request waits for its one backend like any other.
+                exclude = frozenset(tried) if count else frozenset()
+                backend = await pool.acquire(decision.job, exclude=exclude, only=routed.backend)
             except NoBackendAvailable as exc:
                 return Failure(Attempts(decision, backend, count, queue_wait), exc)
             now = self._clock.now()

@@ -271,8 +271,9 @@ def test_after_the_affinity_time_a_request_is_routed_as_usual(two_backends: tupl
     assert [seen.path for seen in cluster.fast.requests] == [f"/v1/responses/{made.id}"]
 
 
-def test_a_pinned_request_on_a_full_backend_waits_for_no_other(make_cluster: MakeCluster) -> None:
-    # The owner is busy and its pool has another backend free: the request is not sent there.
+def test_a_pinned_request_on_a_full_backend_waits_for_it_and_others_flow_past(make_cluster: MakeCluster) -> None:
+    # The owner is busy and its pool has another backend free: the request waits for the owner,
+    # never sent to the other, while requests that may go anywhere take the other at once.
     pools = {"fast": {"backends": {"fast-1": {"max_concurrency": 1}, "fast-2": {"max_concurrency": 1}}}}
     with make_cluster(fast_backends=2, pools=pools, routing={"mode": "static"}) as cluster:
         cluster.fast.name, cluster.more_fast[0].name = "a", "b"
@@ -281,8 +282,9 @@ def test_a_pinned_request_on_a_full_backend_waits_for_no_other(make_cluster: Mak
         gate = threading.Event()
         b = cluster.more_fast[0]
         b.gate = gate
+        pool = cluster.app.state.router.pools["fast"]
         completion = {"model": MODEL, "prompt": "x", "max_tokens": 1}
-        with ThreadPoolExecutor(1) as executor:
+        with ThreadPoolExecutor(2) as executor:
 
             def hold() -> Any:
                 held = executor.submit(httpx.post, cluster.base_url + "/completions", json=completion, timeout=30)
@@ -290,12 +292,58 @@ def test_a_pinned_request_on_a_full_backend_waits_for_no_other(make_cluster: Mak
                 return held
 
             held = _on_fast_2(cluster, hold)
-            answer = httpx.get(cluster.base_url + f"/responses/{made.id}", timeout=30)
-            assert answer.status_code == 503 and answer.json()["error"]["code"] == "pool_unavailable"
-            assert answer.headers["retry-after"].isdigit()
+            pinned = executor.submit(httpx.get, cluster.base_url + f"/responses/{made.id}", timeout=30)
+            wait_until(lambda: pool.queued() == 1, message="the pinned request queued for fast-2")
+            # Not behind it: fast-1 is free, and another request takes it at once.
+            other = httpx.post(cluster.base_url + "/completions", json=completion, timeout=30)
+            assert other.status_code == 200 and other.headers["x-route-backend"] == "fast-1"
+            assert not pinned.done() and pool.queued() == 1
             gate.set()
             assert held.result().status_code == 200
-        assert [seen.path for seen in cluster.fast.requests] == []
+            answer = pinned.result()
+            assert answer.status_code == 200 and answer.json()["id"] == made.id
+            assert answer.headers["x-route-backend"] == "fast-2"
+            assert answer.headers["x-route-reason"] == "response_affinity"
+        assert [seen.path for seen in cluster.fast.requests] == ["/v1/completions"]
+        assert pool.queued() == 0
+
+
+def test_a_pinned_request_whose_backend_stays_full_is_turned_away_like_any_other(make_cluster: MakeCluster) -> None:
+    pools = {
+        "fast": {
+            "queue_timeout": 0.3,
+            "queue_size": 1,
+            "backends": {"fast-1": {"max_concurrency": 1}, "fast-2": {"max_concurrency": 1}},
+        }
+    }
+    with make_cluster(fast_backends=2, pools=pools, routing={"mode": "static"}) as cluster:
+        client = _client(cluster)
+        made = _on_fast_2(cluster, lambda: client.responses.create(model=MODEL, input="hi"))
+        gate = threading.Event()
+        b = cluster.more_fast[0]
+        b.gate = gate
+        completion = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        with ThreadPoolExecutor(2) as executor:
+
+            def hold() -> Any:
+                held = executor.submit(httpx.post, cluster.base_url + "/completions", json=completion, timeout=30)
+                wait_until(lambda: b.open == 1, message="a request held on fast-2")
+                return held
+
+            held = _on_fast_2(cluster, hold)
+            waited = httpx.get(cluster.base_url + f"/responses/{made.id}", timeout=30)
+            assert waited.status_code == 503 and waited.json()["error"]["code"] == "queue_timeout"
+            assert waited.headers["retry-after"].isdigit()
+            # The queue full: turned away at once.
+            pool = cluster.app.state.router.pools["fast"]
+            first = executor.submit(httpx.get, cluster.base_url + f"/responses/{made.id}", timeout=30)
+            wait_until(lambda: pool.queued() == 1, message="one pinned request queued")
+            full = httpx.get(cluster.base_url + f"/responses/{made.id}", timeout=30)
+            assert full.status_code == 503 and full.json()["error"]["code"] == "queue_full"
+            assert first.result().status_code == 503
+            gate.set()
+            assert held.result().status_code == 200
+        assert cluster.fast.requests == []
         assert client.responses.retrieve(made.id).id == made.id
 
 
