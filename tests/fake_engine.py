@@ -81,6 +81,7 @@ class FakeEngine:
     echo_request_id: bool = True
     name: str = ""  # in the ids of its stored responses (`resp-<name><n>`), to tell engines apart
     stored: dict[str, dict[str, Any]] = field(default_factory=dict)  # stored responses, by id
+    stored_delay: float = 0.0  # seconds before answering GET/DELETE /v1/responses/{id}
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.chaos.seed if self.chaos else None)
@@ -197,6 +198,7 @@ class FakeEngine:
 
     async def _stored_response(self, request: Request) -> Response:
         self._seen(request, await request.body())
+        await asyncio.sleep(self.stored_delay)
         response_id = request.path_params["id"]
         stored = self.stored.get(response_id)
         if stored is None:

@@ -20,6 +20,7 @@ import pytest
 
 from router.clock import ManualClock
 from tests.conftest import Cluster
+from tests.fake_engine import FakeEngine, Seen
 from tests.test_hostile_client import _assert_unharmed, _error, _exchange, _nothing_forwarded, _parse
 from tests.wait import wait_until
 
@@ -30,6 +31,15 @@ BOUNDARY = "specroute-test-boundary"
 
 def _client(cluster: Cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=30)
+
+
+def _probes(engine: FakeEngine) -> list[Seen]:
+    """What the router asked an engine to find a stored response it did not remember (router.locate)."""
+    return [seen for seen in engine.requests if seen.headers.get("x-request-id", "").endswith("-locate")]
+
+
+def _not_probes(engine: FakeEngine) -> list[Seen]:
+    return [seen for seen in engine.requests if not seen.headers.get("x-request-id", "").endswith("-locate")]
 
 
 def _all_requests(cluster: Cluster) -> list[tuple[str, str]]:
@@ -238,10 +248,12 @@ def test_a_stored_response_is_retrieved_continued_and_deleted_on_the_backend_tha
     assert cluster.fast.requests == []
     client.responses.delete(made.id)
     assert made.id not in b.stored
-    # Forgotten once deleted: routed as usual, and fast-1 answers its own 404.
+    # Forgotten once deleted, and held nowhere (both answer the search with 404): routed as usual,
+    # and fast-1 answers its own 404.
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(made.id)
-    assert [(seen.method, seen.path) for seen in cluster.fast.requests] == [("GET", f"/v1/responses/{made.id}")]
+    assert [(seen.method, seen.path) for seen in _not_probes(cluster.fast)] == [("GET", f"/v1/responses/{made.id}")]
+    assert [(seen.method, seen.path) for seen in _probes(cluster.fast)] == [("GET", f"/v1/responses/{made.id}")]
 
 
 def test_a_streamed_response_is_remembered_from_its_created_event(two_backends: tuple[Cluster, ManualClock]) -> None:
@@ -259,16 +271,18 @@ def test_a_streamed_response_is_remembered_from_its_created_event(two_backends: 
     assert cluster.fast.requests == []
 
 
-def test_after_the_affinity_time_a_request_is_routed_as_usual(two_backends: tuple[Cluster, ManualClock]) -> None:
+def test_after_the_affinity_time_the_owner_is_found_again_by_asking(two_backends: tuple[Cluster, ManualClock]) -> None:
     cluster, clock = two_backends
     client = _client(cluster)
     made = _on_fast_2(cluster, lambda: client.responses.create(model=MODEL, input="hi"))
     clock.advance(59)
     assert client.responses.retrieve(made.id).id == made.id
-    clock.advance(2)  # 61 s after it was made: forgotten
-    with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(made.id)
-    assert [seen.path for seen in cluster.fast.requests] == [f"/v1/responses/{made.id}"]
+    assert _probes(cluster.fast) == _probes(cluster.more_fast[0]) == []  # remembered: nobody asked
+    clock.advance(2)  # 61 s after it was made: forgotten, so the backends are asked who holds it
+    assert client.responses.retrieve(made.id).id == made.id
+    assert [seen.path for seen in _probes(cluster.fast)] == [f"/v1/responses/{made.id}"]
+    assert _not_probes(cluster.fast) == []
+    assert cluster.metric("specroute_response_locates_total", result="found") == 1
 
 
 def test_a_pinned_request_on_a_full_backend_waits_for_it_and_others_flow_past(make_cluster: MakeCluster) -> None:

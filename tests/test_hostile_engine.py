@@ -543,7 +543,8 @@ def test_a_bodiless_request_goes_upstream_without_a_length_or_a_body(method: str
         writer.write(response(body=b"" if exchange.method == "HEAD" else b'{"id": "resp-1", "deleted": true}'))
         return True
 
-    with RawEngine(answer) as engine, routed(engine.url) as router:
+    # No search for the id's owner (router.locate): this engine answers every GET 200.
+    with RawEngine(answer) as engine, routed(engine.url, responses={"locate_timeout": 0}) as router:
         target = "/v1/responses/resp-1"
         sent = router.client.request(method, "/responses/resp-1")
         assert sent.status_code == 200, sent.text
