@@ -37,7 +37,7 @@ _MISSES_MAX = 10_000
 _PROBE_BODY_BYTES = 64 * 1024
 _PROBE_LIMITS = HeadLimits(head_bytes=64 * 1024, headers=100)
 
-Found = Literal["found", "missed", "cached_miss", "busy"]
+Found = Literal["found", "missed", "cached_miss", "busy", "skipped"]
 
 
 class Locator:
@@ -66,7 +66,7 @@ class Locator:
         that was settled. `headers(backend)`: what the request itself would carry there; requests
         share a search only with those of the same `credentials` (the client's Authorization)."""
         if self.timeout <= 0 or not backends or _SEARCHABLE.fullmatch(response_id) is None:
-            return None, "missed"
+            return None, "skipped"
         until = self._misses.get(response_id)
         if until is not None:
             if until > now:

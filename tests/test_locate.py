@@ -151,6 +151,7 @@ def test_locating_can_be_turned_off(engines: Engines) -> None:
         with pytest.raises(openai.NotFoundError):
             b.client().responses.retrieve(made)
         assert engines.probes(engines.team) == [] and engines.probes(engines.fast) == []
+        assert b.locates("skipped") == 1 and b.locates("missed") == 0
 
 
 def test_a_flood_of_unknown_ids_costs_the_engines_a_bounded_number_of_probes(engines: Engines) -> None:
@@ -178,3 +179,4 @@ def test_an_id_no_engine_would_make_is_not_put_in_a_probe(engines: Engines, name
         replica.client().responses.create(model=MODEL, input="more", previous_response_id=named)
     assert engines.probes(engines.fast) == [] and engines.probes(engines.team) == []
     assert engines.fast.health_checks + engines.team.health_checks <= 2  # the router's own, at start
+    assert replica.locates("skipped") == 1
