@@ -17,6 +17,7 @@ import contextlib
 import math
 from collections import deque
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 from router.config import Backend as BackendConfig
 from router.config import Health as HealthConfig
@@ -108,6 +109,12 @@ class Backend:
         return self.engine.has_room(now, stale_after, kv_threshold, max_concurrency=self.max_concurrency)
 
 
+@dataclass(frozen=True, slots=True)
+class _Waiter:
+    future: asyncio.Future[Backend]
+    only: str | None  # the one backend it may take (router.affinity), or any
+
+
 class Pool:
     def __init__(
         self,
@@ -123,7 +130,7 @@ class Pool:
         self.backends = backends
         self.queue_size = queue_size
         self.queue_timeout = queue_timeout
-        self._waiters: dict[JobClass, deque[asyncio.Future[Backend]]] = {
+        self._waiters: dict[JobClass, deque[_Waiter]] = {
             "interactive": deque(),
             "batch": deque(),
         }
@@ -149,11 +156,28 @@ class Pool:
             why = "has no healthy backend" if self.backends else "was removed from the configuration"
         return NoBackendAvailable(f"pool {self.name!r} {why}", retry_after=self._retry_after(), code="pool_unavailable")
 
-    async def acquire(self, job: JobClass, *, exclude: frozenset[str] = frozenset()) -> Backend:
+    def _unavailable_owner(self, name: str) -> NoBackendAvailable:
+        return NoBackendAvailable(
+            f"backend {name!r} of pool {self.name!r}, the one that may serve this request, is not accepting",
+            retry_after=self._retry_after(),
+            code="pool_unavailable",
+        )
+
+    async def acquire(
+        self, job: JobClass, *, exclude: frozenset[str] = frozenset(), only: str | None = None
+    ) -> Backend:
+        """`exclude`: backends a retry must not go back to (none free among the others: fails at
+        once). `only`: the one backend that may serve the request (router.affinity); it waits in
+        the queue for a slot there, bounded like any other, while the others keep flowing."""
         if not self.accepting:
             raise self._unavailable()
-        if not self.queued() or exclude:
-            backend = self._take(exclude)
+        if only is not None:
+            owner = next((b for b in self.backends if b.name == only), None)
+            if owner is None or not owner.accepting:
+                raise self._unavailable_owner(only)
+        if only is not None or not self.queued() or exclude:
+            # Pinned: a slot free on its backend is one no queued request could take (`wake`).
+            backend = self._take(exclude, only)
             if backend is not None:
                 return backend
             if exclude:
@@ -168,22 +192,24 @@ class Pool:
                 retry_after=self._retry_after(),
                 code="queue_full",
             )
-        waiter: asyncio.Future[Backend] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), only)
         self._waiters[job].append(waiter)
         try:
             async with asyncio.timeout(self.queue_timeout):
-                return await waiter
+                return await waiter.future
         except BaseException as exc:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
                 # A slot was handed over just as we gave up: pass it on.
-                self.release(waiter.result())
+                self.release(future.result())
             else:
-                waiter.cancel()
+                future.cancel()
                 with contextlib.suppress(ValueError):  # _wake may have dropped it already
                     self._waiters[job].remove(waiter)
             if isinstance(exc, TimeoutError):
+                where = f"backend {only!r} of pool {self.name!r}" if only is not None else f"pool {self.name!r}"
                 raise NoBackendAvailable(
-                    f"pool {self.name!r} had no free backend within {self.queue_timeout:g} s",
+                    f"{where} had no free slot within {self.queue_timeout:g} s",
                     retry_after=self._retry_after(),
                     code="queue_timeout",
                 ) from exc
@@ -198,26 +224,41 @@ class Pool:
 
     def wake(self) -> None:
         """Hand free slots to queued requests (after a release, or a backend turning healthy or
-        being drained or resumed); with no backend left to wait for, fail them at once."""
-        while self.queued():
-            queue = self._waiters["interactive"] or self._waiters["batch"]
-            if queue[0].done():
-                queue.popleft()  # cancelled while queued; its request has gone
-                continue
-            if not self.accepting:
-                queue.popleft().set_exception(self._unavailable())
-                continue
-            backend = self._take()
-            if backend is None:
-                return
-            queue.popleft().set_result(backend)
+        being drained or resumed); with no backend left to wait for, fail them at once. Requests
+        go in order, interactive first; one pinned to a backend that is full lets those behind
+        it take another."""
+        for queue in self._waiters.values():
+            pinned_full: set[str] = set()  # backends a pinned request found full: none behind gets them
+            at = 0
+            while at < len(queue):
+                waiter = queue[at]
+                if waiter.future.done():
+                    del queue[at]  # cancelled while queued; its request has gone
+                elif waiter.only in pinned_full:
+                    at += 1
+                elif not self.accepting:
+                    del queue[at]
+                    waiter.future.set_exception(self._unavailable())
+                elif waiter.only is not None and not any(b.name == waiter.only and b.accepting for b in self.backends):
+                    del queue[at]
+                    waiter.future.set_exception(self._unavailable_owner(waiter.only))
+                elif (backend := self._take(only=waiter.only)) is not None:
+                    del queue[at]
+                    waiter.future.set_result(backend)
+                elif waiter.only is None:
+                    return  # no slot anywhere: nobody behind gets one either
+                else:
+                    pinned_full.add(waiter.only)
+                    at += 1
 
     def has_other(self, exclude: frozenset[str]) -> bool:
         """Whether a healthy backend not in `exclude` has room now (for a retry)."""
         return any(b.has_room and b.name not in exclude for b in self.backends)
 
-    def _take(self, exclude: frozenset[str] = frozenset()) -> Backend | None:
-        candidates = [b for b in self.backends if b.has_room and b.name not in exclude]
+    def _take(self, exclude: frozenset[str] = frozenset(), only: str | None = None) -> Backend | None:
+        candidates = [
+            b for b in self.backends if b.has_room and b.name not in exclude and (only is None or b.name == only)
+        ]
         if not candidates:
             return None
         backend = min(candidates, key=lambda b: b.load)

@@ -278,6 +278,13 @@ class Responses(_Model):
     # at most (the oldest go first). After that, or a restart, such a request is routed as usual.
     affinity_seconds: float = Field(default=3600.0, ge=0)
     affinity_max: int = Field(default=100_000, ge=0)
+    # An id it does not remember (another replica made it, or a restart): the healthy backends are
+    # asked `GET /v1/responses/{id}` at once, for at most this long (0: not asked, routed as usual),
+    # by at most `locate_concurrency` searches at a time; an id none of them holds is not asked
+    # about again for `locate_miss_seconds` (router.locate).
+    locate_timeout: float = Field(default=0.5, ge=0)
+    locate_concurrency: int = Field(default=32, ge=1)
+    locate_miss_seconds: float = Field(default=10.0, ge=0)
 
 
 class Batch(_Model):

@@ -116,7 +116,9 @@ class Forwarder:
                 return Failure(Attempts(decision, backend, count, queue_wait), error)
             queued_at = self._clock.now()
             try:
-                backend = await pool.acquire(decision.job, exclude=frozenset(tried))
+                # A retry goes to none tried; a pinned request waits for its one backend like any other.
+                exclude = frozenset(tried) if count else frozenset()
+                backend = await pool.acquire(decision.job, exclude=exclude, only=routed.backend)
             except NoBackendAvailable as exc:
                 return Failure(Attempts(decision, backend, count, queue_wait), exc)
             now = self._clock.now()
@@ -229,9 +231,12 @@ class Forwarder:
     async def _whole_or_stream(
         self, incoming: Incoming, plan: Plan, backend: Backend, response: Response
     ) -> tuple[Response, bytes | None] | _Failed:
-        """An event stream the client asked for goes on as it arrives; anything else is read
-        whole first, while a failure may still be tried elsewhere."""
-        if incoming.stream and (response.header(b"content-type") or b"").startswith(b"text/event-stream"):
+        """An event stream goes on as it arrives; anything else is read whole first, while a
+        failure may still be tried elsewhere. What the engine answers decides, not what the body
+        said: a multipart upload's `stream=true` (audio transcriptions) is never read here."""
+        if (response.header(b"content-type") or b"").startswith(b"text/event-stream"):
+            if not incoming.stream:  # a stream the router could not foresee: its first token from now
+                backend.first_tokens.waiting(id(incoming), self._clock.now())
             return response, None
         try:
             return response, await response.read(limit=plan.response_body_bytes)

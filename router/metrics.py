@@ -139,6 +139,12 @@ class Metrics:
             ["job_class", "pool", "reason", "content"],
             registry=registry,
         )
+        self.locates = Counter(
+            "specroute_response_locates",
+            "Searches for the backend holding a stored response this router did not remember, by result.",
+            ["result"],
+            registry=registry,
+        )
         self.reloads = Counter(
             "specroute_config_reloads",
             "Configuration reloads asked for (SIGHUP or /admin/reload), by result: applied or invalid.",

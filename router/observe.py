@@ -56,6 +56,9 @@ class Observer:
     def upstream_error(self, backend: Backend, kind: str) -> None:
         self._metrics.upstream_errors.labels(backend.pool, backend.name, kind).inc()
 
+    def located(self, result: str) -> None:
+        self._metrics.locates.labels(result).inc()
+
     def retried(self, backend: Backend, reason: str) -> None:
         self._metrics.retries.labels(backend.pool, backend.name, reason).inc()
 

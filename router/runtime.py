@@ -30,6 +30,7 @@ from router.errors import BadRequest, Conflict, NotFound
 from router.forward import Forwarder
 from router.health import HealthChecker
 from router.learn import SpeedModel
+from router.locate import Locator
 from router.metrics import Metrics
 from router.models import ModelCatalog
 from router.observe import Observer
@@ -90,6 +91,7 @@ class Router:
         self.clients = Clients(clock=self.clock)
         observer = Observer(self.metrics, self.speeds)
         self.owners = ResponseOwners()  # which backend made each stored response (Responses API)
+        self.locator = Locator(self.transport)  # and which holds one this router never saw made
         self.pipeline = Pipeline(
             pools=self.pools,
             clients=self.clients,
@@ -97,6 +99,7 @@ class Router:
             forwarder=Forwarder(self.pools, self.transport, observer, self.clock),
             observer=observer,
             owners=self.owners,
+            locator=self.locator,
             clock=self.clock,
         )
         self.catalog = ModelCatalog(self.pools, self.transport, clock=self.clock)
@@ -170,6 +173,7 @@ class Router:
         self.scraper.configure(settings.scrape)
         self.speeds.configure(settings.learn)
         self.owners.configure(settings.responses)
+        self.locator.configure(settings.responses)
         self._configured_models = frozenset(
             {rule.rewrite_model for rule in settings.classify.rules if rule.rewrite_model}
             | set(settings.metrics.models)

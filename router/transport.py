@@ -292,6 +292,13 @@ async def _before_writing(session: aiohttp.ClientSession, context: Any, params: 
         raise aiohttp.ClientConnectionResetError("the engine closed the connection before the request was written")
 
 
+class _Request(aiohttp.ClientRequest):
+    """aiohttp's request, except that a DELETE without a body goes without one: aiohttp gives it
+    `Content-Length: 0`, a length the client never sent (GET and HEAD it already leaves bare)."""
+
+    GET_METHODS = aiohttp.ClientRequest.GET_METHODS | {"DELETE"}  # what is sent bare when `data` is None
+
+
 class AiohttpTransport:
     """One aiohttp session for everything the router sends to the engines."""
 
@@ -340,6 +347,7 @@ class AiohttpTransport:
             checks.on_request_chunk_sent.append(_before_writing)
             self._session = aiohttp.ClientSession(
                 connector=connector,
+                request_class=_Request,
                 trace_configs=[checks],
                 timeout=aiohttp.ClientTimeout(total=None),
                 # Only the headers the router chose; aiohttp adds Host and Content-Length.

@@ -68,6 +68,7 @@ class FakeEngine:
     fail_count: int = -1  # ...this many times (-1: always)
     fail_delay: float = 0.0  # ...after this many seconds
     gate: threading.Event | None = None  # whole and failure answers wait until it is set
+    stream_gate: threading.Event | None = None  # a streamed transcription waits after its first event
     die_after: int | None = None  # drop the connection after this many streamed tokens
     stall_after: int | None = None  # go silent after this many streamed tokens
     script: list[bytes] | None = None  # stream exactly these pieces, each its own write
@@ -80,6 +81,7 @@ class FakeEngine:
     echo_request_id: bool = True
     name: str = ""  # in the ids of its stored responses (`resp-<name><n>`), to tell engines apart
     stored: dict[str, dict[str, Any]] = field(default_factory=dict)  # stored responses, by id
+    stored_delay: float = 0.0  # seconds before answering GET/DELETE /v1/responses/{id}
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.chaos.seed if self.chaos else None)
@@ -196,6 +198,7 @@ class FakeEngine:
 
     async def _stored_response(self, request: Request) -> Response:
         self._seen(request, await request.body())
+        await asyncio.sleep(self.stored_delay)
         response_id = request.path_params["id"]
         stored = self.stored.get(response_id)
         if stored is None:
@@ -219,7 +222,20 @@ class FakeEngine:
         self._seen(request, raw)
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise HTTPException(400, "expected multipart/form-data")
+        if b'name="stream"\r\n\r\ntrue' in raw:  # vLLM's `stream=true` form field: transcription chunks
+            return StreamingResponse(self._transcription_chunks(len(raw)), media_type="text/event-stream")
         return JSONResponse({"text": f"{len(raw)} bytes heard"})
+
+    async def _transcription_chunks(self, size: int) -> AsyncIterator[str]:
+        """vLLM's streamed transcription: `transcription.chunk` deltas, then usage, then [DONE]."""
+        chunk = {"id": "trsc-1", "object": "transcription.chunk", "created": 0, "model": self.model}
+        yield _event({**chunk, "choices": [{"delta": {"content": f"{size} bytes"}}]})
+        if self.stream_gate is not None:
+            await asyncio.to_thread(self.stream_gate.wait, TIMEOUT)
+        yield _event({**chunk, "choices": [{"delta": {"content": " heard"}, "finish_reason": "stop"}]})
+        usage = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+        yield _event({**chunk, "choices": [], "usage": usage})
+        yield "data: [DONE]\n\n"
 
     async def _model(self, request: Request) -> Response:
         self._seen(request, await request.body())

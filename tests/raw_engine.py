@@ -71,6 +71,7 @@ class RawEngine:
         self.tls = tls  # serve https with this context
         self.keep_alive = keep_alive  # False: the probes' connections are closed after each answer too
         self.requests: list[Exchange] = []  # every POST read, in order
+        self.heads: list[bytes] = []  # the head of every request read (probes too), byte for byte
         self.connections = 0  # accepted
         self.closed: set[int] = set()  # the numbers of the connections closed since
         self.written = 0  # bytes an answer counted as sent (for the bounded-buffer tests)
@@ -164,6 +165,7 @@ class RawEngine:
             head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError:
             return None
+        self.heads.append(head)
         line, *fields = head.decode("latin-1").split("\r\n")
         method, target, _ = line.split(" ", 2)
         headers = {}

@@ -6,6 +6,7 @@ engines (tests/fake_engine.py) behind, raw sockets for what a hostile client sen
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ import pytest
 
 from router.clock import ManualClock
 from tests.conftest import Cluster
+from tests.fake_engine import FakeEngine, Seen
 from tests.test_hostile_client import _assert_unharmed, _error, _exchange, _nothing_forwarded, _parse
 from tests.wait import wait_until
 
@@ -29,6 +31,15 @@ BOUNDARY = "specroute-test-boundary"
 
 def _client(cluster: Cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=30)
+
+
+def _probes(engine: FakeEngine) -> list[Seen]:
+    """What the router asked an engine to find a stored response it did not remember (router.locate)."""
+    return [seen for seen in engine.requests if seen.headers.get("x-request-id", "").endswith("-locate")]
+
+
+def _not_probes(engine: FakeEngine) -> list[Seen]:
+    return [seen for seen in engine.requests if not seen.headers.get("x-request-id", "").endswith("-locate")]
 
 
 def _all_requests(cluster: Cluster) -> list[tuple[str, str]]:
@@ -97,6 +108,50 @@ async def test_raw_multipart_reaches_the_engine_exactly_and_is_never_parsed(clus
     _assert_unharmed(cluster)
 
 
+def _total(cluster: Cluster, name: str) -> float:
+    return sum(s.value for f in cluster.registry.collect() for s in f.samples if s.name == name)
+
+
+@pytest.mark.anyio
+async def test_a_streamed_transcription_is_relayed_as_it_arrives(cluster: Cluster) -> None:
+    # `stream=true` is a form field the router never reads: the engine's text/event-stream decides.
+    gate = threading.Event()
+    for engine in (cluster.fast, cluster.team):
+        engine.stream_gate = gate  # each holds its stream after the first event until the test has seen it
+    body = _multipart(b"\x00audio")
+    body = body.replace(
+        f"--{BOUNDARY}--".encode(),
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="stream"\r\n\r\ntrue\r\n--{BOUNDARY}--'.encode(),
+    )
+    request = _raw_request(
+        "POST", "/v1/audio/transcriptions", body, content_type=f"multipart/form-data; boundary={BOUNDARY}"
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            first = b""
+            while b"bytes" not in first:  # the first event, while the engine is still held
+                piece = await reader.read(65536)
+                assert piece, first
+                first += piece
+            assert not gate.is_set()
+            gate.set()
+            rest = await reader.read()
+    finally:
+        writer.close()
+    status, headers, answer = _parse(first + rest)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in answer.decode().split("\n") if line.startswith("data: ")]
+    text = "".join(c["delta"]["content"] for e in events[:-1] for c in json.loads(e)["choices"])
+    assert text.endswith("bytes heard") and events[-1] == "[DONE]"
+    # Accounted as a stream: a first token, and the usage the engine reported.
+    wait_until(lambda: _total(cluster, "specroute_completion_tokens_total") == 2, message="usage recorded")
+    assert _total(cluster, "specroute_time_to_first_token_seconds_count") == 1
+    _assert_unharmed(cluster)
+
+
 @pytest.mark.anyio
 async def test_a_multipart_body_over_the_limit_is_413_declared_or_chunked(make_cluster: MakeCluster) -> None:
     with make_cluster(max_body_bytes=2000) as cluster:
@@ -120,8 +175,10 @@ async def test_a_delete_with_a_body_is_forwarded_as_it_came(cluster: Cluster) ->
     request = _raw_request("DELETE", "/v1/responses/resp-nope", body, content_type="application/octet-stream")
     status, _, answer = _parse(await _exchange(cluster.router.port, request))
     assert status == 404 and json.loads(answer)["error"]["code"] == 404  # the engine's answer
-    (seen,) = [*cluster.fast.requests, *cluster.team.requests]
+    # The id's owner was asked for first (router.locate), with a bare GET; the DELETE went as it came.
+    (seen,) = [*_not_probes(cluster.fast), *_not_probes(cluster.team)]
     assert (seen.method, seen.path, seen.raw) == ("DELETE", "/v1/responses/resp-nope", body)
+    assert {(probe.method, probe.raw) for probe in _probes(cluster.fast) + _probes(cluster.team)} == {("GET", b"")}
     _assert_unharmed(cluster)
 
 
@@ -193,10 +250,12 @@ def test_a_stored_response_is_retrieved_continued_and_deleted_on_the_backend_tha
     assert cluster.fast.requests == []
     client.responses.delete(made.id)
     assert made.id not in b.stored
-    # Forgotten once deleted: routed as usual, and fast-1 answers its own 404.
+    # Forgotten once deleted, and held nowhere (both answer the search with 404): routed as usual,
+    # and fast-1 answers its own 404.
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(made.id)
-    assert [(seen.method, seen.path) for seen in cluster.fast.requests] == [("GET", f"/v1/responses/{made.id}")]
+    assert [(seen.method, seen.path) for seen in _not_probes(cluster.fast)] == [("GET", f"/v1/responses/{made.id}")]
+    assert [(seen.method, seen.path) for seen in _probes(cluster.fast)] == [("GET", f"/v1/responses/{made.id}")]
 
 
 def test_a_streamed_response_is_remembered_from_its_created_event(two_backends: tuple[Cluster, ManualClock]) -> None:
@@ -214,20 +273,23 @@ def test_a_streamed_response_is_remembered_from_its_created_event(two_backends: 
     assert cluster.fast.requests == []
 
 
-def test_after_the_affinity_time_a_request_is_routed_as_usual(two_backends: tuple[Cluster, ManualClock]) -> None:
+def test_after_the_affinity_time_the_owner_is_found_again_by_asking(two_backends: tuple[Cluster, ManualClock]) -> None:
     cluster, clock = two_backends
     client = _client(cluster)
     made = _on_fast_2(cluster, lambda: client.responses.create(model=MODEL, input="hi"))
     clock.advance(59)
     assert client.responses.retrieve(made.id).id == made.id
-    clock.advance(2)  # 61 s after it was made: forgotten
-    with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(made.id)
-    assert [seen.path for seen in cluster.fast.requests] == [f"/v1/responses/{made.id}"]
+    assert _probes(cluster.fast) == _probes(cluster.more_fast[0]) == []  # remembered: nobody asked
+    clock.advance(2)  # 61 s after it was made: forgotten, so the backends are asked who holds it
+    assert client.responses.retrieve(made.id).id == made.id
+    assert [seen.path for seen in _probes(cluster.fast)] == [f"/v1/responses/{made.id}"]
+    assert _not_probes(cluster.fast) == []
+    assert cluster.metric("specroute_response_locates_total", result="found") == 1
 
 
-def test_a_pinned_request_on_a_full_backend_waits_for_no_other(make_cluster: MakeCluster) -> None:
-    # The owner is busy and its pool has another backend free: the request is not sent there.
+def test_a_pinned_request_on_a_full_backend_waits_for_it_and_others_flow_past(make_cluster: MakeCluster) -> None:
+    # The owner is busy and its pool has another backend free: the request waits for the owner,
+    # never sent to the other, while requests that may go anywhere take the other at once.
     pools = {"fast": {"backends": {"fast-1": {"max_concurrency": 1}, "fast-2": {"max_concurrency": 1}}}}
     with make_cluster(fast_backends=2, pools=pools, routing={"mode": "static"}) as cluster:
         cluster.fast.name, cluster.more_fast[0].name = "a", "b"
@@ -236,8 +298,9 @@ def test_a_pinned_request_on_a_full_backend_waits_for_no_other(make_cluster: Mak
         gate = threading.Event()
         b = cluster.more_fast[0]
         b.gate = gate
+        pool = cluster.app.state.router.pools["fast"]
         completion = {"model": MODEL, "prompt": "x", "max_tokens": 1}
-        with ThreadPoolExecutor(1) as executor:
+        with ThreadPoolExecutor(2) as executor:
 
             def hold() -> Any:
                 held = executor.submit(httpx.post, cluster.base_url + "/completions", json=completion, timeout=30)
@@ -245,12 +308,58 @@ def test_a_pinned_request_on_a_full_backend_waits_for_no_other(make_cluster: Mak
                 return held
 
             held = _on_fast_2(cluster, hold)
-            answer = httpx.get(cluster.base_url + f"/responses/{made.id}", timeout=30)
-            assert answer.status_code == 503 and answer.json()["error"]["code"] == "pool_unavailable"
-            assert answer.headers["retry-after"].isdigit()
+            pinned = executor.submit(httpx.get, cluster.base_url + f"/responses/{made.id}", timeout=30)
+            wait_until(lambda: pool.queued() == 1, message="the pinned request queued for fast-2")
+            # Not behind it: fast-1 is free, and another request takes it at once.
+            other = httpx.post(cluster.base_url + "/completions", json=completion, timeout=30)
+            assert other.status_code == 200 and other.headers["x-route-backend"] == "fast-1"
+            assert not pinned.done() and pool.queued() == 1
             gate.set()
             assert held.result().status_code == 200
-        assert [seen.path for seen in cluster.fast.requests] == []
+            answer = pinned.result()
+            assert answer.status_code == 200 and answer.json()["id"] == made.id
+            assert answer.headers["x-route-backend"] == "fast-2"
+            assert answer.headers["x-route-reason"] == "response_affinity"
+        assert [seen.path for seen in cluster.fast.requests] == ["/v1/completions"]
+        assert pool.queued() == 0
+
+
+def test_a_pinned_request_whose_backend_stays_full_is_turned_away_like_any_other(make_cluster: MakeCluster) -> None:
+    pools = {
+        "fast": {
+            "queue_timeout": 0.3,
+            "queue_size": 1,
+            "backends": {"fast-1": {"max_concurrency": 1}, "fast-2": {"max_concurrency": 1}},
+        }
+    }
+    with make_cluster(fast_backends=2, pools=pools, routing={"mode": "static"}) as cluster:
+        client = _client(cluster)
+        made = _on_fast_2(cluster, lambda: client.responses.create(model=MODEL, input="hi"))
+        gate = threading.Event()
+        b = cluster.more_fast[0]
+        b.gate = gate
+        completion = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        with ThreadPoolExecutor(2) as executor:
+
+            def hold() -> Any:
+                held = executor.submit(httpx.post, cluster.base_url + "/completions", json=completion, timeout=30)
+                wait_until(lambda: b.open == 1, message="a request held on fast-2")
+                return held
+
+            held = _on_fast_2(cluster, hold)
+            waited = httpx.get(cluster.base_url + f"/responses/{made.id}", timeout=30)
+            assert waited.status_code == 503 and waited.json()["error"]["code"] == "queue_timeout"
+            assert waited.headers["retry-after"].isdigit()
+            # The queue full: turned away at once.
+            pool = cluster.app.state.router.pools["fast"]
+            first = executor.submit(httpx.get, cluster.base_url + f"/responses/{made.id}", timeout=30)
+            wait_until(lambda: pool.queued() == 1, message="one pinned request queued")
+            full = httpx.get(cluster.base_url + f"/responses/{made.id}", timeout=30)
+            assert full.status_code == 503 and full.json()["error"]["code"] == "queue_full"
+            assert first.result().status_code == 503
+            gate.set()
+            assert held.result().status_code == 200
+        assert cluster.fast.requests == []
         assert client.responses.retrieve(made.id).id == made.id
 
 

@@ -531,3 +531,25 @@ def test_engine_json_nested_past_the_parsers_depth_is_relayed_not_a_500() -> Non
         assert whole.status_code == 200 and whole.content == deep
         streamed = router.client.post("/chat/completions", json={"model": "m", "messages": [], "stream": True})
         assert streamed.status_code == 200 and events(streamed) == [deep.decode(), "[DONE]"]
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD", "DELETE"])
+def test_a_bodiless_request_goes_upstream_without_a_length_or_a_body(method: str) -> None:
+    # A Content-Length: 0 on a GET or HEAD is a body the method does not have (RFC 9110 §8.6):
+    # some servers refuse it, and a DELETE the client sent bare must reach the engine bare too.
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if exchange.method == "POST":
+            return await answer_normally(exchange, reader, writer)
+        writer.write(response(body=b"" if exchange.method == "HEAD" else b'{"id": "resp-1", "deleted": true}'))
+        return True
+
+    # No search for the id's owner (router.locate): this engine answers every GET 200.
+    with RawEngine(answer) as engine, routed(engine.url, responses={"locate_timeout": 0}) as router:
+        target = "/v1/responses/resp-1"
+        sent = router.client.request(method, "/responses/resp-1")
+        assert sent.status_code == 200, sent.text
+        (head,) = [head for head in engine.heads if head.split(b" ", 2)[1] == target.encode()]
+        assert head.startswith(f"{method} {target} HTTP/1.1\r\n".encode())
+        names = {line.split(b":", 1)[0].lower() for line in head.split(b"\r\n")[1:] if line}
+        assert not names & {b"content-length", b"transfer-encoding"}, head
+        assert_recovered(router)
