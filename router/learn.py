@@ -176,9 +176,7 @@ class Curve:
             estimate = estimate.scaled(gain / learned_gain)
         return estimate
 
-    def _predict_with(
-        self, prior: Prior, trusted: dict[int, _Bin], concurrency: int, gain: float | None
-    ) -> Estimate:
+    def _predict_with(self, prior: Prior, trusted: dict[int, _Bin], concurrency: int, gain: float | None) -> Estimate:
         expected = prior.at(concurrency)
         if not trusted:
             # Counted as good as a point just trusted: within `max_interval` of its speed. So

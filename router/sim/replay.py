@@ -72,7 +72,12 @@ CURVE_LEVELS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
 
 def speed_curve(
-    profile: Profile, kind: ContentKind, *, levels: tuple[int, ...] = CURVE_LEVELS, answer_tokens: int = 512, seeds: int = 2
+    profile: Profile,
+    kind: ContentKind,
+    *,
+    levels: tuple[int, ...] = CURVE_LEVELS,
+    answer_tokens: int = 512,
+    seeds: int = 2,
 ) -> dict[int, float]:
     """Per-user tokens/s by concurrency, as a sweep of `levels` would measure it on this profile
     (the mean over `seeds` replays): the prior speed of a simulated pool (`prior_speed`)."""
