@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 from router.classify import Classification
 from router.clock import ManualClock
 from router.config import Learn, Routing
-from router.content import ContentKind
-from router.learn import Estimate, SpeedModel
+from router.content import CONTENT_KINDS, ContentKind
+from router.demo import cluster_settings, prior_speeds
+from router.learn import Estimate, SpeedModel, crossover
 from router.policy import Policy, PoolState
+from router.sim.profile import load_profile
 
 
 def _model(priors: dict[str, Any] | None = None, **learn: Any) -> tuple[SpeedModel, ManualClock]:
@@ -191,3 +193,23 @@ def test_noise_never_flips_the_decision_with_a_prior(
             )
         clock.advance(rng.uniform(0, 5))
         assert _decide(model, crossover) == want
+
+
+def test_the_simulated_cluster_starts_with_its_calibrated_speeds() -> None:
+    """What the demo's priors say against the configured crossover (prose 4, code 16): at the
+    same load the calibrated curves cross for prose at 3 and never for code (the speculative
+    engine stays faster per running request; past 23 it queues instead, which the first-token
+    prediction sees). Within ±10 % of each other they decide nothing at equal load: the
+    configured crossover still does. They do decide between unequal loads, e.g. a third prose
+    request on the speculative pool against an idle standard pool."""
+    fast, team = prior_speeds(load_profile("fast")), prior_speeds(load_profile("team"))
+    slower = {kind: [n for n in fast[kind] if fast[kind][n] < team[kind][n]] for kind in CONTENT_KINDS}
+    assert min(slower["prose"]) == 3
+    assert slower["code"] == []
+    model, _ = _model({"fast-1": fast, "team-1": team})
+    assert crossover(model, "fast-1", ["team-1"], "prose") == 64  # never beyond the noise
+    spec, std = model.predict("fast-1", "prose", 3), model.predict("team-1", "prose", 1, fallback=True)
+    assert spec is not None and std is not None and std.low > spec.high
+    settings = cluster_settings({"fast": (True, ["http://127.0.0.1:1"])}, host="h", port=1, priors={"fast": fast})
+    assert settings.pools["fast"].prior_speed == fast
+    assert prior_speeds(load_profile("fast"), time_scale=5)["code"][1] == pytest.approx(5 * fast["code"][1], rel=0.01)
