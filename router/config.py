@@ -72,6 +72,24 @@ class Pool(_Model):
     # Router-side queue used when every backend of the pool is at max_concurrency.
     queue_size: int = Field(default=256, ge=0)
     queue_timeout: float = Field(default=30.0, gt=0)
+    # What the pool's engines are known to give before the router has measured anything: per-user
+    # tokens/s by concurrency, per content kind (e.g. `prose: {1: 57, 4: 29.8}`), as `specroute
+    # bench sweep` measures it. Learned speeds are shrunk toward it (`learn.prior_weight`); the
+    # policy uses it until it has learned better. Empty: no prior, the configured crossover decides.
+    prior_speed: dict[ContentKind, dict[int, float]] = {}
+
+    @field_validator("prior_speed")
+    @classmethod
+    def _speed_table(cls, value: dict[ContentKind, dict[int, float]]) -> dict[ContentKind, dict[int, float]]:
+        for kind, table in value.items():
+            if not table:
+                raise ValueError(f"{kind}: give at least one concurrency: tokens/s")
+            for concurrency, speed in table.items():
+                if concurrency < 1:
+                    raise ValueError(f"{kind}: concurrency {concurrency} must be at least 1")
+                if not 0 < speed < float("inf"):
+                    raise ValueError(f"{kind}: tokens/s at {concurrency} must be a positive number, not {speed}")
+        return {kind: dict(sorted(table.items())) for kind, table in value.items()}
 
 
 class Headers(_Model):
@@ -147,6 +165,10 @@ class Learn(_Model):
     max_interval: float = Field(default=0.1, gt=0)
     # Old answers fade: their weight halves every this many seconds.
     half_life: float = Field(default=600.0, gt=0)
+    # How many answers a pool's `prior_speed` counts as at each concurrency: a learned point is
+    # pulled toward the prior by this weight against its own (faded) answers. 0: the prior is
+    # used only where nothing is learned.
+    prior_weight: float = Field(default=8.0, ge=0)
 
 
 class Timeouts(_Model):

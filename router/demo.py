@@ -21,9 +21,11 @@ from starlette.applications import Starlette
 
 from router.app import create_app
 from router.config import Listen, Settings
+from router.content import CONTENT_KINDS, ContentKind
 from router.listener import uvicorn_config
 from router.server import RouterServer
 from router.sim.profile import Profile, load_profile
+from router.sim.replay import speed_curve
 from router.sim.server import create_sim_app
 
 LayoutName = Literal["routed", "all-speculative", "all-standard", "fast-alone", "team-alone"]
@@ -59,10 +61,25 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def prior_speeds(profile: Profile, *, time_scale: float = 1.0) -> dict[ContentKind, dict[int, float]]:
+    """A simulated pool's `prior_speed`: its profile's calibrated speeds, as the router will
+    measure them (in wall-clock time, so `time_scale` times the simulated figure)."""
+    return {
+        kind: {users: round(speed * time_scale, 1) for users, speed in speed_curve(profile, kind).items()}
+        for kind in CONTENT_KINDS
+    }
+
+
 def cluster_settings(
-    pools: dict[str, tuple[bool, list[str]]], *, host: str, port: int, time_scale: float = 1.0
+    pools: dict[str, tuple[bool, list[str]]],
+    *,
+    host: str,
+    port: int,
+    time_scale: float = 1.0,
+    priors: dict[str, dict[ContentKind, dict[int, float]]] | None = None,
 ) -> Settings:
-    """Router settings for pools given as name -> (speculative, engine URLs).
+    """Router settings for pools given as name -> (speculative, engine URLs), with each pool's
+    prior speeds (`priors`, by pool name) if given.
 
     The router's clocks follow the simulation's: scraping every simulated second, health checks
     every five, a client remembered for a simulated minute, the first-token target, the age of
@@ -86,6 +103,7 @@ def cluster_settings(
                 "speculative": speculative,
                 # Let the engines queue, as they did in the note; the router only forwards.
                 "backends": {f"{name}-{i + 1}": {"url": url, "max_concurrency": 256} for i, url in enumerate(urls)},
+                "prior_speed": (priors or {}).get(name, {}),
             }
             for name, (speculative, urls) in pools.items()
         },
@@ -132,8 +150,10 @@ async def serve_cluster(
             apps.append((create_sim_app(profile, time_scale=time_scale), sock))
             kind = "speculative" if profile.speculative else "standard"
             lines.append(f"  pool {pool.name}: {profile.name} engine, {kind}, {profile.nodes} nodes  {url}")
+    # The router starts knowing what the simulated engines give: their calibrated speeds.
+    priors = {pool.name: prior_speeds(pool.engines[0], time_scale=time_scale) for pool in pools}
     settings = cluster_settings(
-        urls, host=host or "127.0.0.1", port=8000 if port is None else port, time_scale=time_scale
+        urls, host=host or "127.0.0.1", port=8000 if port is None else port, time_scale=time_scale, priors=priors
     )
     host = host if host is not None else settings.listen.host
     router_sock = _bind(host, settings.listen.port if port is None else port)

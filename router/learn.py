@@ -16,6 +16,20 @@ total than it did there (speed × concurrency held level), which is cautious. Ea
 carries its interval, so the policy overrides its prior only on a difference that is larger
 than the noise (see `router.policy`).
 
+A pool may come with a *prior*: the speed its engines are known to give by concurrency (a
+bench sweep, or the simulator's calibrated profile). Where nothing is trusted yet, the prior
+is the prediction. A trusted point is shrunk toward it as if the prior were `prior_weight`
+more answers at the prior's speed with the point's own spread: the mean moves toward the
+prior by prior_weight / (prior_weight + answers), and the interval narrows as if those
+answers were there, but always stretches to the learned mean as well, so a prior that
+disagrees with what was measured widens the interval rather than outvoting the measurement.
+As answers accumulate the prior's share vanishes and the estimate converges to what is
+measured. Where nothing is trusted, the prior's interval is `max_interval` of its speed, as
+good as a point just trusted, so a prior decides only on a difference larger than that.
+Between and beyond trusted points the prior gives the shape: the prediction is the
+prior's speed there times the nearest trusted points' ratio of estimate to prior. Without a
+prior, none of this applies.
+
 With speculation the speed also depends on how well the drafter is guessing. Each observation
 on a speculative backend carries the tokens a sequence gained per step at the time (from the
 engine's counters); a prediction is scaled by the live figure over the learned one.
@@ -25,7 +39,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -54,6 +68,7 @@ class Trust:
     min_samples: int = 8
     max_interval: float = 0.1
     half_life: float = 600.0
+    prior_weight: float = 8.0
 
 
 @dataclass(slots=True)
@@ -98,11 +113,16 @@ class _Bin:
     def gain(self) -> float | None:
         return self.gain_total / self.gain_weight if self.gain_weight > 0 else None
 
+    @property
+    def effective(self) -> float:
+        """The number of equally weighted answers these unequal weights are worth (Kish)."""
+        return self.weight * self.weight / self.weight_squared if self.weight_squared > 0 else 0.0
+
     def half_width(self) -> float:
         """Half the 95 % confidence interval of the mean."""
         if self.weight <= 0 or self.samples < 2:
             return math.inf
-        effective = self.weight * self.weight / self.weight_squared
+        effective = self.effective
         variance = max(0.0, self.squares / self.weight - self.mean**2) * effective / max(1.0, effective - 1)
         return _Z95 * math.sqrt(variance / effective)
 
@@ -123,11 +143,15 @@ class Curve:
         found.decay(now, self.trust.half_life)
         found.add(speed, float(max(1, tokens)), gain)
 
-    def predict(self, concurrency: int, gain: float | None = None, *, now: float) -> Estimate | None:
-        """Per-user tokens/s at `concurrency`, or None with no trusted point yet."""
+    def predict(
+        self, concurrency: int, gain: float | None = None, *, now: float, prior: Prior | None = None
+    ) -> Estimate | None:
+        """Per-user tokens/s at `concurrency`, or None with no trusted point yet and no prior."""
         for each in self.bins.values():
             each.decay(now, self.trust.half_life)
         trusted = {level: b for level, b in self.bins.items() if b.trusted(self.trust)}
+        if prior is not None:
+            return self._predict_with(prior, trusted, concurrency, gain)
         if not trusted:
             return None
         levels = sorted(trusted)
@@ -152,6 +176,37 @@ class Curve:
             estimate = estimate.scaled(gain / learned_gain)
         return estimate
 
+    def _predict_with(self, prior: Prior, trusted: dict[int, _Bin], concurrency: int, gain: float | None) -> Estimate:
+        expected = prior.at(concurrency)
+        if not trusted:
+            # Counted as good as a point just trusted: within `max_interval` of its speed. So
+            # two priors decide only where they differ by more than a trusted point's noise.
+            spread = self.trust.max_interval * expected
+            return Estimate(expected, expected - spread, expected + spread)
+
+        def relative(level: int) -> Estimate:
+            """A trusted point, shrunk toward the prior, as a share of the prior there."""
+            return _shrunk(trusted[level], prior.at(level), self.trust.prior_weight).scaled(1 / prior.at(level))
+
+        levels = sorted(trusted)
+        at = bisect.bisect_left(levels, concurrency)
+        if at < len(levels) and levels[at] == concurrency:
+            found, share = trusted[concurrency], relative(concurrency)
+        elif at == 0 or at == len(levels):
+            level = levels[0] if at == 0 else levels[-1]
+            found, share = trusted[level], relative(level)  # the prior's shape beyond what was seen
+        else:
+            low, high = levels[at - 1], levels[at]
+            part = (concurrency - low) / (high - low)
+            found = trusted[low]
+            below, above = relative(low), relative(high)
+            share = Estimate(*(b + part * (a - b) for b, a in zip(below, above, strict=True)))
+        estimate = share.scaled(expected)
+        learned_gain = found.gain
+        if gain is not None and learned_gain:
+            estimate = estimate.scaled(gain / learned_gain)
+        return estimate
+
     def points(self) -> Iterator[tuple[int, float, float, bool]]:
         """(concurrency, mean speed, answers (faded), trusted) for every concurrency observed."""
         for level in sorted(self.bins):
@@ -164,6 +219,37 @@ def _estimate(found: _Bin) -> Estimate:
     return Estimate(mean, mean - half, mean + half)
 
 
+def _shrunk(found: _Bin, prior: float, weight: float) -> Estimate:
+    """A trusted point's mean pulled toward `prior` as if it were `weight` more answers; the
+    interval narrowed likewise, and stretched to cover the learned mean too."""
+    answers, learned = found.effective, found.mean
+    mean = (weight * prior + answers * learned) / (weight + answers)
+    half = found.half_width() * math.sqrt(answers / (answers + weight))
+    return Estimate(mean, min(mean, learned) - half, max(mean, learned) + half)
+
+
+@dataclass(frozen=True, slots=True)
+class Prior:
+    """A speed curve known in advance: per-user tokens/s at some concurrencies (sorted)."""
+
+    points: tuple[tuple[int, float], ...]
+
+    def at(self, concurrency: int) -> float:
+        """Interpolated between the given points; below the first, its speed (at least as fast);
+        beyond the last, the total there held level, as for learned points."""
+        levels = [level for level, _ in self.points]
+        at = bisect.bisect_left(levels, concurrency)
+        if at < len(levels) and levels[at] == concurrency:
+            return self.points[at][1]
+        if at == 0:
+            return self.points[0][1]
+        if at == len(levels):
+            level, speed = self.points[-1]
+            return speed * level / concurrency
+        (low, below), (high, above) = self.points[at - 1], self.points[at]
+        return below + (concurrency - low) / (high - low) * (above - below)
+
+
 class SpeedModel:
     """Curves for every backend, content kind and answer length (short or long)."""
 
@@ -171,13 +257,30 @@ class SpeedModel:
         self.trust = trust or Trust()
         self._clock = clock or MonotonicClock()
         self._curves: dict[tuple[str, ContentKind, bool], Curve] = {}
+        self._priors: dict[tuple[str, ContentKind], Prior] = {}
 
-    def configure(self, config: Learn) -> None:
-        """The (re)loaded `learn` section."""
-        trust = Trust(min_samples=config.min_samples, max_interval=config.max_interval, half_life=config.half_life)
+    def configure(
+        self, config: Learn, priors: Mapping[str, Mapping[ContentKind, Mapping[int, float]]] | None = None
+    ) -> None:
+        """The (re)loaded `learn` section, and the prior speeds by backend (its pool's)."""
+        trust = Trust(
+            min_samples=config.min_samples,
+            max_interval=config.max_interval,
+            half_life=config.half_life,
+            prior_weight=config.prior_weight,
+        )
         self.trust = trust
         for curve in self._curves.values():
             curve.trust = trust
+        self._priors = {
+            (backend, kind): Prior(tuple(sorted(table.items())))
+            for backend, tables in (priors or {}).items()
+            for kind, table in tables.items()
+            if table
+        }
+
+    def prior(self, backend: str, kind: ContentKind) -> Prior | None:
+        return self._priors.get((backend, kind))
 
     def observe(
         self,
@@ -204,17 +307,23 @@ class SpeedModel:
     def predict(
         self, backend: str, kind: ContentKind, concurrency: int, *, gain: float | None = None, fallback: bool = False
     ) -> Estimate | None:
-        """Predicted per-user speed from trusted points: long answers' if there are any, else
-        short ones'. With `fallback`, the other content kind's curves stand in: without
-        speculation the content barely matters, so a standard backend that has only served
-        prose still predicts well for code."""
+        """Predicted per-user speed from trusted points: long answers' (with the prior, if the
+        backend's pool has one for this content) if there are any, else short ones'. With
+        `fallback`, the other content kind's curves stand in: without speculation the content
+        barely matters, so a standard backend that has only served prose still predicts well
+        for code."""
         kinds: list[ContentKind] = [kind]
         if fallback:
             kinds.append("code" if kind == "prose" else "prose")
+        now = self._clock.now()
         for each in kinds:
             for short in (False, True):
+                # A prior describes long answers (a sweep's): short ones are learned on their own.
+                prior = None if short else self._priors.get((backend, each))
                 curve = self._curves.get((backend, each, short))
-                estimate = curve.predict(concurrency, gain, now=self._clock.now()) if curve is not None else None
+                if curve is None and prior is not None:
+                    curve = Curve(self.trust)  # nothing learned yet: the prior alone
+                estimate = curve.predict(concurrency, gain, now=now, prior=prior) if curve is not None else None
                 if estimate is not None:
                     return estimate
         return None

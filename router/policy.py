@@ -15,8 +15,9 @@ place; interactive work leaves it
   - `crossover` mode: past the configured crossover concurrency for the content kind, unless
     the standard pool carries even more (`spill:past-crossover`);
   - `adaptive` mode: when the standard pool's learned per-user speed is higher beyond the noise
-    of both (their 95 % intervals apart; `spill:faster-on-standard`); until both are learned
-    with confidence, or when the difference is within the noise, as in `crossover`.
+    of both (their 95 % intervals apart; `spill:faster-on-standard`); before anything is learned
+    with confidence the pools' prior speeds stand in where configured (router.learn); without
+    them, or when the difference is within the noise, as in `crossover`.
 
 A pool queues when its engines have requests waiting, its emptiest engine's KV cache is past the
 threshold, or it has no free router slot or a non-empty router queue. So interactive work never

@@ -171,7 +171,10 @@ class Router:
         self.catalog.configure(ttl=settings.models_cache_seconds, timeout=settings.health.timeout)
         self.health.configure(settings.health)
         self.scraper.configure(settings.scrape)
-        self.speeds.configure(settings.learn)
+        self.speeds.configure(
+            settings.learn,
+            priors={name: pool.prior_speed for pool in settings.pools.values() for name in pool.backends},
+        )
         self.owners.configure(settings.responses)
         self.locator.configure(settings.responses)
         self._configured_models = frozenset(

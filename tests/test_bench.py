@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from router.bench.load import Target
-from router.bench.report import sweep_data
+from router.bench.report import prior_block, sweep_data
 from router.bench.scenarios import sweep
 from router.cli import main
+from router.config import Pool
 from router.sim.fit import fit_profile
 from router.sim.profile import load_profile
 from router.sim.replay import replay_round
@@ -38,6 +40,13 @@ def test_sweep_measures_delivered_tokens_and_fits_a_profile() -> None:
     assert one.per_user_tps and four.per_user_tps and sixteen.per_user_tps
     assert one.per_user_tps > sixteen.per_user_tps  # more users, slower each
     assert sixteen.total_tps > one.total_tps  # ...but more in total
+
+    # The sweep's ready-to-paste block is a valid prior_speed of a pool, holding what was measured.
+    block = prior_block(rounds, kind="prose", base_url=target.base_url, model=team.model, max_tokens=96)
+    pasted = yaml.safe_load("pools:\n  team:\n    speculative: false\n    backends: {t: {url: 'http://e'}}\n" + block)
+    prior = Pool(**pasted["pools"]["team"]).prior_speed["prose"]
+    assert list(prior) == [1, 4, 16]
+    assert prior[4] == pytest.approx(four.per_user_tps, abs=0.05)
 
     # `specroute sim fit` recovers a profile that predicts what was measured.
     fitted = fit_profile(sweep_data(rounds, {"kind": "prose", "answer_tokens": 96}), team, name="mine")

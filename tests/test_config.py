@@ -87,6 +87,26 @@ def test_check_config_prints_resolved_settings_with_secrets_masked(
             "pools:\n  fast: {speculative: true, backends: {f: {url: 'http://x'}}}\nrouting: {batch_pool: team}\n",
             "no pool named 'team'",
         ),
+        (
+            "pools:\n  fast: {speculative: true, backends: {f: {url: 'http://x'}}, prior_speed: {prose: {0: 50}}}\n",
+            "pools.fast.prior_speed: Value error, prose: concurrency 0 must be at least 1",
+        ),
+        (
+            "pools:\n  fast: {speculative: true, backends: {f: {url: 'http://x'}}, prior_speed: {code: {4: -1}}}\n",
+            "code: tokens/s at 4 must be a positive number",
+        ),
+        (
+            "pools:\n  fast: {speculative: true, backends: {f: {url: 'http://x'}}, prior_speed: {code: {}}}\n",
+            "code: give",
+        ),
+        (
+            "pools:\n  fast: {speculative: true, backends: {f: {url: 'http://x'}}, prior_speed: {text: {1: 9}}}\n",
+            "text",
+        ),
+        (
+            "pools:\n  fast: {speculative: true, backends: {f: {url: 'http://x'}}}\nlearn: {prior_weight: -1}\n",
+            "learn.prior_weight",
+        ),
         ("pools: [\n", "not valid YAML"),
         ("- a\n- b\n", "the top level must be a mapping"),
     ],

@@ -98,6 +98,7 @@ RELOADABLE: dict[str, tuple[Any, Observe]] = {
     "pools.*.backends.*.max_concurrency": (2, lambda r: _backend(r).max_concurrency),
     "pools.*.queue_size": (3, lambda r: r.pools["fast"].queue_size),
     "pools.*.queue_timeout": (3.0, lambda r: r.pools["fast"].queue_timeout),
+    "pools.*.prior_speed": ({"prose": {1: 50.0}}, lambda r: r.speeds.prior("f1", "prose")),
     "headers.pool": ("X-Pool", lambda r: _classify(r, {"x-pool": "team"}).pinned_pool),
     "headers.job": ("X-Job", lambda r: _classify(r, {"x-job": "batch"}).job),
     "classify.rules": (
@@ -136,6 +137,7 @@ RELOADABLE: dict[str, tuple[Any, Observe]] = {
     "learn.min_samples": (2, lambda r: r.speeds.trust.min_samples),
     "learn.max_interval": (0.5, lambda r: r.speeds.trust.max_interval),
     "learn.half_life": (60.0, lambda r: r.speeds.trust.half_life),
+    "learn.prior_weight": (2.0, lambda r: r.speeds.trust.prior_weight),
     "retries.attempts": (1, lambda r: r.plan.retries.attempts),
     "retries.deadline": (1.0, lambda r: r.plan.retries.deadline),
     "retries.cross_pool": (False, lambda r: r.plan.retries.cross_pool),

@@ -78,7 +78,16 @@ def _sweep(args: argparse.Namespace, out: Path) -> int:
     report.write_json(out / "sweep.json", report.sweep_data(rounds, meta))
     report.write_csv(out / "sweep.csv", [_row(r.summary, users=r.users) for r in rounds])
     report.plot_sweeps({target.base_url: rounds}, out / "sweep.png", f"{target.model}, {args.kind}")
-    return _finish(out, f"## sweep of {target.base_url} ({target.model}, {args.kind})\n\n" + report.sweep_table(rounds))
+    prior = report.prior_block(
+        rounds, kind=args.kind, base_url=target.base_url, model=target.model, max_tokens=args.max_tokens
+    )
+    (out / f"prior-{args.kind}.yaml").write_text(prior + "\n")
+    return _finish(
+        out,
+        f"## sweep of {target.base_url} ({target.model}, {args.kind})\n\n{report.sweep_table(rounds)}\n\n"
+        f"The pool's prior speed (`prior-{args.kind}.yaml`; see README, Configuration):\n\n"
+        f"```yaml\n{prior}\n```",
+    )
 
 
 def _mixed_scenario(

@@ -38,6 +38,25 @@ def sweep_table(rounds: Sequence[SweepRound]) -> str:
     return "\n".join(lines)
 
 
+def prior_block(rounds: Sequence[SweepRound], *, kind: str, base_url: str, model: str, max_tokens: int) -> str:
+    """The sweep's per-user speeds as a pool's `prior_speed` (router settings), ready to paste."""
+    rows = [
+        f"      {r.users}: {r.summary.per_user_tps:.1f}"
+        for r in rounds
+        if r.summary.per_user_tps and not r.summary.errors
+    ]
+    return "\n".join(
+        [
+            f"# specroute bench sweep of {base_url} ({model}, {kind}, {max_tokens}-token answers).",
+            "# Paste under the pool this engine serves (pools.<name>:); a sweep with the other --kind",
+            "# adds its own table beside this one. Rounds with errors are left out.",
+            "    prior_speed:",
+            f"      {kind}:",
+            *(f"  {row}" for row in rows),
+        ]
+    )
+
+
 def sweep_data(rounds: Sequence[SweepRound], meta: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON form; `specroute sim fit` reads it."""
     prompts = [r.summary.prompt_tokens for r in rounds if r.summary.prompt_tokens]

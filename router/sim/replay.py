@@ -65,3 +65,26 @@ def replay_round(profile: Profile, users: int, kind: ContentKind, *, answer_toke
         peak_running=peak_running,
         peak_kv_usage=peak_kv,
     )
+
+
+# Concurrencies at which `speed_curve` replays: dense where the pools cross, sparse beyond.
+CURVE_LEVELS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+
+
+def speed_curve(
+    profile: Profile,
+    kind: ContentKind,
+    *,
+    levels: tuple[int, ...] = CURVE_LEVELS,
+    answer_tokens: int = 512,
+    seeds: int = 2,
+) -> dict[int, float]:
+    """Per-user tokens/s by concurrency, as a sweep of `levels` would measure it on this profile
+    (the mean over `seeds` replays): the prior speed of a simulated pool (`prior_speed`)."""
+    return {
+        users: statistics.fmean(
+            replay_round(profile, users, kind, answer_tokens=answer_tokens, seed=seed).per_user_tps
+            for seed in range(seeds)
+        )
+        for users in levels
+    }
