@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from router.batch.service import REOPEN_SECONDS
 from tests.conftest import Cluster
 from tests.timing import too_busy_to_time
 
@@ -556,9 +557,16 @@ def test_a_store_that_cannot_be_opened_leaves_live_traffic_served(
         assert client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}]).choices
         answer = httpx.get(cluster.base_url + "/batches")
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "batch_store_unavailable"
-        assert answer.headers["retry-after"] == "60"
         status = httpx.get(cluster.router.url + "/router/status").json()["batches"]
         assert status["store"] is None and "a-file" in status["store_error"]
+        # Retry-After is the interval the store is tried again at: a client that retries as told,
+        # once the cause is gone, finds it open, and is not told to wait longer than that.
+        retry_after = int(answer.headers["retry-after"])
+        assert retry_after == REOPEN_SECONDS
+        blocker.unlink()
+        fixed = time.monotonic()
+        _wait(lambda: httpx.get(cluster.base_url + "/batches").status_code == 200, timeout=retry_after + 10)
+        assert time.monotonic() - fixed <= retry_after + 1
 
 
 def test_disabled_the_batch_paths_are_forwarded_like_any_post(

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("specroute.batch")
 
-_REOPEN_SECONDS = 5.0  # how often a store that could not be opened is tried again
+# How often a store that could not be opened is tried again: also the Retry-After its 503 gives,
+# so a client retrying as told finds the store open as soon as it can be.
+REOPEN_SECONDS = 5
 
 
 class BatchService:
@@ -50,7 +52,7 @@ class BatchService:
         if self._store is None:
             raise NoBackendAvailable(
                 f"the batch store is not available: {self._unavailable or 'not open yet'}",
-                retry_after=60,
+                retry_after=REOPEN_SECONDS,
                 code="batch_store_unavailable",
             )
         return self._store
@@ -70,7 +72,7 @@ class BatchService:
         """Open the store and run every batch left unfinished, by this router or a previous one.
         While the store cannot be opened (a database not up yet), the router serves live traffic,
         the Batch API answers 503 `batch_store_unavailable`, and the store is tried again every
-        `_REOPEN_SECONDS`."""
+        `REOPEN_SECONDS`."""
         if not self._enabled:
             return
         opened = await self._open()
@@ -90,7 +92,7 @@ class BatchService:
 
     async def _run(self, opened: bool) -> None:
         while not opened:
-            await anyio.sleep(_REOPEN_SECONDS)
+            await anyio.sleep(REOPEN_SECONDS)
             opened = await self._open()
         await self.runner.run()
 
