@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -334,4 +335,95 @@ async def test_uploads_at_once_each_keep_their_own_content(make_cluster: MakeClu
             assert (await client.files.content(file.id)).content == content
             await client.files.delete(file.id)
         await client.close()
+        await _nothing_left(cluster)
+
+
+class _Sampler:
+    """Watches, from a thread, for a temporary file in the store while a test's exchange runs:
+    one seen at any moment is kept."""
+
+    def __init__(self, store: str) -> None:
+        self._store = store
+        self.seen: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> _Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self.seen += _temporary_files(self._store)
+            self._stop.wait(0.001)
+
+
+@pytest.mark.anyio
+async def test_an_upload_the_store_has_no_room_for_is_413_before_it_reaches_the_disk(
+    make_cluster: MakeCluster,
+) -> None:
+    filler = _lines(2000, prefix="filler")
+    room = 100_000
+    with make_cluster(batch={"max_storage_bytes": len(filler) + room}) as cluster:
+        store = _store(cluster)
+        other = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="other", max_retries=0, timeout=30)
+        kept = await other.files.create(file=("filler.jsonl", filler), purpose="batch")  # the store nearly full
+        too_big = _multipart(_lines(5000, prefix="big"))  # far under max_file_bytes, over the room left
+
+        # Declared too large: 413 with only the head sent, no temporary file ever made.
+        with _Sampler(store) as sampler:
+            reader, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
+            writer.write(_head(len(too_big)) + too_big[:100])
+            await writer.drain()
+            error = _error(await _answer(reader, within=10), 413, "storage_full")
+            assert error["param"] == "file" and f"{room} bytes left" in error["message"]
+            # The connection ends cleanly: the router closes it rather than read the rest as a request.
+            async with asyncio.timeout(10):
+                assert await reader.read() == b""
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        assert not sampler.seen, sampler.seen
+
+        # Chunked: the size shows only as it arrives; 413 once it passes the room, the rest unread.
+        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
+        writer.write(_head(None))
+        offered = 64 * 1024 * 1024
+        sent = 0
+
+        async def flood() -> None:
+            nonlocal sent
+            piece = _lines(200)
+            for data in (_multipart(b"", closed=False), *(piece for _ in range(offered // len(piece)))):
+                writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                await writer.drain()
+                sent += len(data)
+                await asyncio.sleep(0)  # let the reader see the answer when it comes
+
+        flooding = asyncio.create_task(flood())
+        try:
+            _error(await _answer(reader), 413, "storage_full")
+            assert sent < offered // 4, sent
+        finally:
+            flooding.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+                await flooding
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        await _nothing_left(cluster)  # its temporary file gone, gauges at 0, chat served
+
+        # An upload that fits is taken.
+        client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=30)
+        fits = _lines(100)
+        taken = await client.files.create(file=("fits.jsonl", fits), purpose="batch")
+        assert (await client.files.content(taken.id)).content == fits
+        await client.files.delete(taken.id)
+        await other.files.delete(kept.id)
+        await client.close()
+        await other.close()
         await _nothing_left(cluster)

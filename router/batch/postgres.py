@@ -182,6 +182,10 @@ class PostgresStore:
         process dies): it is checked there before a byte of it reaches the database."""
         return tempfile.TemporaryFile(dir=self._spool)
 
+    def used_bytes(self) -> int:
+        """The bytes of every file kept, by every replica (what `max_storage_bytes` bounds)."""
+        return int(self._read("SELECT COALESCE(SUM(bytes), 0) FROM specroute_files")[0][0])
+
     def add_file(self, record: FileRecord, content: IO[bytes], *, limit: int) -> None:
         """Store `record` with `content` (`record.bytes` of it, from the start), a chunk at a time."""
         with self._tx() as db:

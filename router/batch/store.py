@@ -160,6 +160,7 @@ class Store(Protocol):
     (postgres.py) the one that replicas share."""
 
     def temporary_file(self) -> IO[bytes]: ...
+    def used_bytes(self) -> int: ...
     def add_file(self, record: FileRecord, content: IO[bytes], *, limit: int) -> None: ...
     def get_file(self, owner: str, file_id: str) -> FileRecord | None: ...
     def copy_file(self, owner: str, file_id: str, out: IO[bytes]) -> bool: ...
@@ -233,6 +234,10 @@ class SqliteStore:
         disk rather than a /tmp that may be memory, and gone when closed, or when the process dies
         (Linux's O_TMPFILE; elsewhere its name is removed as it is made): nothing is left to clean up."""
         return tempfile.TemporaryFile(dir=self.path.parent)
+
+    def used_bytes(self) -> int:
+        """The bytes of every file kept (what `max_storage_bytes` bounds)."""
+        return int(self._read("SELECT COALESCE(SUM(bytes), 0) FROM files")[0][0])
 
     def add_file(self, record: FileRecord, content: IO[bytes], *, limit: int) -> None:
         """Store `record` with `content` (`record.bytes` of it, from the start), a chunk at a time."""
