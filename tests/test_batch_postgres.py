@@ -28,7 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from router.batch.postgres import PostgresStore
-from router.batch.store import BatchRecord, FileRecord, SqliteStore, StorageFull, Store
+from router.batch.sqlite import SqliteStore
+from router.batch.store import BatchRecord, FileRecord, StorageFull, Store
 from router.cli import main as cli
 from router.config import Settings
 from tests.batches import batch_input, router_config
@@ -349,7 +350,7 @@ def test_the_postgres_store_needs_its_dsn_env() -> None:
 def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Store, Store]]:
     """Two handles on one store, as two routers have: one SQLite file, or one PostgreSQL database."""
     if request.param == "sqlite":
-        pair: tuple[Store, Store] = (SqliteStore(tmp_path), SqliteStore(tmp_path))
+        pair: tuple[Store, Store] = (SqliteStore(tmp_path, clock=time.time), SqliteStore(tmp_path, clock=time.time))
     else:
         url = request.getfixturevalue("postgres").database("t_" + uuid.uuid4().hex[:12])
         pair = (

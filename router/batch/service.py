@@ -14,7 +14,8 @@ import anyio
 from router.batch.api import batch_routes
 from router.batch.metrics import BatchMetrics
 from router.batch.runner import Runner
-from router.batch.store import SqliteStore, Store
+from router.batch.sqlite import SqliteStore
+from router.batch.store import Store
 from router.config import Batch as BatchConfig
 from router.errors import NoBackendAvailable
 
@@ -99,7 +100,7 @@ class BatchService:
     def _connect(self) -> Store:
         config = self._started_with  # as the router started: a reload cannot move the store
         if config.store == "sqlite":
-            return SqliteStore(config.store_dir)
+            return SqliteStore(config.store_dir, clock=self._clock)
         dsn = config.postgres_dsn()
         if not dsn:
             raise RuntimeError(f"${config.postgres_dsn_env} (batch.postgres_dsn_env) is not set")
