@@ -4,9 +4,10 @@ router), PostgreSQL (one router), PostgreSQL shared by two routers.
 
 The engine is the tests' fake engine (tests/fake_engine.py) in this process, answering at once
 (4 tokens, no delay), so the figure is what the router and its store cost per line, not what an
-engine takes. Each router is `specroute serve --config FILE` in its own process, its backends and
-`batch.max_concurrency` at 64; PostgreSQL is a server of its own started as the tests start it
-(tests/postgres.py), a fresh database per run. The time is from `POST /v1/batches` to the batch
+engine takes. Each router is `specroute serve --config FILE` in its own process (as the tests run
+one: tests/servers.py, tests/batches.py), its backends and `batch.max_concurrency` at 64;
+PostgreSQL is a server of its own started as the tests start it (tests/postgres.py), a fresh
+database per run. The time is from `POST /v1/batches` to the batch
 read `completed`, polled every 50 ms.
 
     python scripts/bench_batch_store.py --lines 2000 --runs 3 --out docs/bench/batch-store
@@ -18,60 +19,25 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
-from loopback import free_port, wait_until_up
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.fake_engine import FakeEngine  # noqa: E402  (the repository's root, just added)
+from tests.batches import batch_input, router_config  # noqa: E402  (the repository's root, just added)
+from tests.fake_engine import FakeEngine  # noqa: E402
 from tests.postgres import PostgresServer  # noqa: E402
-from tests.servers import ServerThread  # noqa: E402
+from tests.servers import ServerThread, serve  # noqa: E402
 
 DSN_ENV = "BENCH_BATCH_STORE_DSN"
-
-
-def batch_file(lines: int) -> bytes:
-    rows = (
-        {
-            "custom_id": f"r-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"model": "test-model", "max_tokens": 4, "messages": [{"role": "user", "content": f"r-{i}"}]},
-        }
-        for i in range(lines)
-    )
-    return "".join(json.dumps(row) + "\n" for row in rows).encode()
-
-
-@contextmanager
-def router(config: dict[str, Any], directory: Path, env: dict[str, str]) -> Iterator[str]:
-    directory.mkdir(parents=True)
-    path = directory / "router.yaml"
-    path.write_text(json.dumps(config))  # JSON is YAML
-    port = free_port()
-    with (directory / "router.log").open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(url + "/healthz", process, timeout=60)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
 
 
 def run(engine_url: str, store: str, routers: int, lines: int, dsn: str | None, work: Path) -> float:
@@ -79,22 +45,13 @@ def run(engine_url: str, store: str, routers: int, lines: int, dsn: str | None, 
     batch: dict[str, Any] = {"store": store, "store_dir": str(work / "store"), "max_concurrency": 64}
     if store == "postgres":
         batch["postgres_dsn_env"] = DSN_ENV
-    backend = {"url": engine_url, "max_concurrency": 64}
-    config = {
-        "pools": {
-            "fast": {"speculative": True, "backends": {"fast-1": backend}},
-            "team": {"speculative": False, "backends": {"team-1": backend}},
-        },
-        "batch": batch,
-    }
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")}
-    if dsn is not None:
-        env[DSN_ENV] = dsn
+    env = {DSN_ENV: dsn} if dsn is not None else {}
     with ExitStack() as stack:
-        urls = [stack.enter_context(router(config, work / f"router-{i}", env)) for i in range(routers)]
+        configs = [router_config(work / f"router-{i}", engine_url, slots=64, batch=batch) for i in range(routers)]
+        urls = [stack.enter_context(serve(config, env=env))[1] for config in configs]
         with httpx.Client(base_url=urls[0] + "/v1", timeout=60) as client:
             uploaded = client.post(
-                "/files", files={"file": ("b.jsonl", batch_file(lines))}, data={"purpose": "batch"}
+                "/files", files={"file": ("b.jsonl", batch_input(lines))}, data={"purpose": "batch"}
             ).json()
             started = time.perf_counter()
             created = client.post(

@@ -13,7 +13,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,8 @@ from typing import Any
 import psycopg
 import pytest
 
+from tests.servers import free_port
+
 USER = "specroute"
 PASSWORD = "pg-test-secret-5d1c"  # tests look for it where it must never appear
 
@@ -32,13 +33,6 @@ def binaries() -> Path | None:
     """The newest installed server's bin directory, if any."""
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"), key=lambda p: int(Path(p).parent.parent.name))
     return Path(found[-1]).parent if found else None
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class PostgresServer:

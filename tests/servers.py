@@ -1,15 +1,65 @@
-"""Real servers on loopback ports for the tests: uvicorn in a thread, on a port the OS picks."""
+"""Real servers on loopback ports for the tests: uvicorn in a thread, on a port the OS picks, or
+`specroute serve` in a process of its own (`serve`)."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import httpx
 import uvicorn
 
 from router.listener import uvicorn_config
+from tests.wait import wait_until
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@contextmanager
+def serve(config: Path, *, env: Mapping[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`specroute serve --config FILE` in its own process, its log beside the file; yields it and
+    its URL once it answers. It gets this process's environment but for `SPECROUTE_*`, plus `env`."""
+    port = free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")} | dict(env or {})
+    log = (config.parent / "router.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(config), "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environ,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert process.poll() is None, (config.parent / "router.log").read_text()
+        try:
+            return httpx.get(url + "/healthz", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(up, timeout=60, interval=0.05, message="the router answers /healthz")
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        log.close()
 
 
 class ServerThread:

@@ -15,24 +15,13 @@ import httpx
 import openai
 import pytest
 
+from router.batch.service import REOPEN_SECONDS
+from tests.batches import batch_input
 from tests.conftest import Cluster
 from tests.timing import too_busy_to_time
 
 KEYS_ENV = "SPECROUTE_TEST_BATCH_KEYS"
 FAST = {"poll_interval": 0.05, "retry_backoff": 0.05}
-
-
-def _lines(count: int, *, prefix: str = "r", url: str = "/v1/chat/completions", **body: Any) -> bytes:
-    rows = []
-    for i in range(count):
-        payload = {
-            "model": "test-model",
-            "max_tokens": 4,
-            "messages": [{"role": "user", "content": f"{prefix}-{i}"}],
-            **body,
-        }
-        rows.append({"custom_id": f"{prefix}-{i}", "method": "POST", "url": url, "body": payload})
-    return "".join(json.dumps(row) + "\n" for row in rows).encode()
 
 
 def _wait(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
@@ -67,10 +56,10 @@ def keyed(
 
 def test_whole_cycle_with_the_sync_sdk(keyed: Cluster) -> None:
     client = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
-    uploaded = client.files.create(file=("input.jsonl", _lines(20)), purpose="batch")
-    assert uploaded.purpose == "batch" and uploaded.filename == "input.jsonl" and uploaded.bytes == len(_lines(20))
+    uploaded = client.files.create(file=("input.jsonl", batch_input(20)), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.filename == "input.jsonl" and uploaded.bytes == len(batch_input(20))
     assert client.files.retrieve(uploaded.id).id == uploaded.id
-    assert client.files.content(uploaded.id).content == _lines(20)
+    assert client.files.content(uploaded.id).content == batch_input(20)
 
     batch = client.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"job": "eval"}
@@ -123,7 +112,7 @@ def test_whole_cycle_with_the_sync_sdk(keyed: Cluster) -> None:
 def test_a_line_the_engine_rejects_goes_to_the_error_file_async(keyed: Cluster) -> None:
     async def main() -> None:
         client = openai.AsyncOpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
-        content = _lines(3) + _lines(1, prefix="bad", model="no-such-model")
+        content = batch_input(3) + batch_input(1, prefix="bad", model="no-such-model")
         uploaded = await client.files.create(file=("mixed.jsonl", content), purpose="batch")
         batch = await client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -155,7 +144,7 @@ def test_a_line_answered_other_than_2xx_goes_to_the_error_file(
     with make_cluster(batch={**FAST, "max_attempts": 2}) as cluster:
         cluster.team.fail_status = status
         client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
-        uploaded = client.files.create(file=("one.jsonl", _lines(1)), purpose="batch")
+        uploaded = client.files.create(file=("one.jsonl", batch_input(1)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
@@ -171,15 +160,15 @@ def test_a_line_answered_other_than_2xx_goes_to_the_error_file(
 @pytest.mark.parametrize(
     ("content", "line", "why"),
     [
-        (_lines(2) + b"{not json\n", 3, "not valid JSON"),
-        (_lines(2) + _lines(1), 3, "custom_id 'r-0' is used more than once"),
+        (batch_input(2) + b"{not json\n", 3, "not valid JSON"),
+        (batch_input(2) + batch_input(1), 3, "custom_id 'r-0' is used more than once"),
         (b'{"custom_id": "a", "method": "GET", "url": "/v1/chat/completions", "body": {}}\n', 1, "method must be POST"),
         (b'{"custom_id": "a", "method": "POST", "url": "/v1/models", "body": {}}\n', 1, "url must be one of"),
         (b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": []}\n', 1, "body must be"),
         (b'\n{"method": "POST", "url": "/v1/embeddings", "body": {}}\n', 2, "custom_id must be"),
-        (_lines(1, stream=True), 1, "streamed"),
+        (batch_input(1, stream=True), 1, "streamed"),
         (b"[1]\n", 1, "must be a JSON object"),
-        (_lines(1) + b"[" * 100_000 + b"]" * 100_000 + b"\n", 2, "nested more than"),  # never a 500
+        (batch_input(1) + b"[" * 100_000 + b"]" * 100_000 + b"\n", 2, "nested more than"),  # never a 500
     ],
 )
 def test_a_malformed_file_is_400_naming_the_line(keyed: Cluster, content: bytes, line: int, why: str) -> None:
@@ -196,7 +185,7 @@ def test_a_malformed_file_is_400_naming_the_line(keyed: Cluster, content: bytes,
 def test_another_keys_files_and_batches_are_404(keyed: Cluster) -> None:
     alice = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
     bob = openai.OpenAI(base_url=keyed.base_url, api_key="bob-key", max_retries=0)
-    uploaded = alice.files.create(file=("a.jsonl", _lines(2)), purpose="batch")
+    uploaded = alice.files.create(file=("a.jsonl", batch_input(2)), purpose="batch")
     batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     for attempt in (
         lambda: bob.batches.retrieve(batch.id),
@@ -221,7 +210,7 @@ def test_cancel_keeps_the_lines_done(make_cluster: Callable[..., AbstractContext
     with make_cluster(batch={**FAST, "max_concurrency": 2}) as cluster:
         cluster.team.token_delay = 0.05  # 4 tokens: 0.2 s a line
         client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
-        uploaded = client.files.create(file=("slow.jsonl", _lines(40)), purpose="batch")
+        uploaded = client.files.create(file=("slow.jsonl", batch_input(40)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
@@ -264,7 +253,7 @@ def test_a_batch_expires_after_its_window_with_the_lines_done(
     with make_cluster(clock=clock, batch={**FAST, "max_concurrency": 2}) as cluster:
         cluster.team.token_delay = 0.05
         client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
-        uploaded = client.files.create(file=("slow.jsonl", _lines(40)), purpose="batch")
+        uploaded = client.files.create(file=("slow.jsonl", batch_input(40)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
@@ -286,8 +275,8 @@ def test_batches_take_turns(make_cluster: Callable[..., AbstractContextManager[C
     with make_cluster(batch={**FAST, "max_concurrency": 1}) as cluster:
         cluster.team.token_delay = 0.02
         client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
-        first = client.files.create(file=("a.jsonl", _lines(12, prefix="a")), purpose="batch")
-        second = client.files.create(file=("b.jsonl", _lines(6, prefix="b")), purpose="batch")
+        first = client.files.create(file=("a.jsonl", batch_input(12, prefix="a")), purpose="batch")
+        second = client.files.create(file=("b.jsonl", batch_input(6, prefix="b")), purpose="batch")
         batches = [
             client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
             for f in (first, second)
@@ -302,7 +291,7 @@ def test_batches_take_turns(make_cluster: Callable[..., AbstractContextManager[C
 
 
 def _custom_id(body: dict[str, Any]) -> str:
-    """The line a request came from: `_lines` writes its custom_id as the message."""
+    """The line a request came from: `batch_input` writes its custom_id as the message."""
     return str(body["messages"][0]["content"])
 
 
@@ -319,7 +308,9 @@ def test_hostile_uploads_are_answered_and_nothing_is_kept(keyed: Cluster) -> Non
     ):
         assert answer.status_code == 400, answer.text
         assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
-    wrong_purpose = httpx.post(url, headers=headers, data={"purpose": "fine-tune"}, files={"file": ("a", _lines(1))})
+    wrong_purpose = httpx.post(
+        url, headers=headers, data={"purpose": "fine-tune"}, files={"file": ("a", batch_input(1))}
+    )
     assert wrong_purpose.status_code == 400 and wrong_purpose.json()["error"]["param"] == "purpose"
     bad_json = httpx.post(keyed.base_url + "/batches", headers=headers, content=b"{nope")
     assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
@@ -356,15 +347,15 @@ def test_hostile_uploads_are_answered_and_nothing_is_kept(keyed: Cluster) -> Non
 
 
 def test_file_and_storage_limits(monkeypatch: pytest.MonkeyPatch, make_cluster: Callable[..., Any]) -> None:
-    one = len(_lines(1))
+    one = len(batch_input(1))
     with make_cluster(batch={**FAST, "max_file_bytes": 3 * one, "max_storage_bytes": 5 * one}) as cluster:
         client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
         with pytest.raises(openai.APIStatusError) as caught:
-            client.files.create(file=("big.jsonl", _lines(4)), purpose="batch")
+            client.files.create(file=("big.jsonl", batch_input(4)), purpose="batch")
         assert caught.value.status_code == 413 and caught.value.code == "file_too_large"
-        client.files.create(file=("a.jsonl", _lines(3)), purpose="batch")
+        client.files.create(file=("a.jsonl", batch_input(3)), purpose="batch")
         with pytest.raises(openai.APIStatusError) as caught:
-            client.files.create(file=("b.jsonl", _lines(3)), purpose="batch")
+            client.files.create(file=("b.jsonl", batch_input(3)), purpose="batch")
         assert caught.value.status_code == 413 and caught.value.code == "storage_full"
         assert len(list(client.files.list())) == 1
 
@@ -374,7 +365,7 @@ def test_batch_lines_leave_room_for_live_requests(make_cluster: Callable[..., Ab
         cluster.team.token_delay = 0.02
         pools = cluster.app.state.router.pools
         client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
-        uploaded = client.files.create(file=("a.jsonl", _lines(60)), purpose="batch")
+        uploaded = client.files.create(file=("a.jsonl", batch_input(60)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
@@ -416,7 +407,7 @@ def test_batch_lines_are_trusted_without_opening_overrides_to_clients(
             client.chat.completions.create(
                 model="test-model", messages=[{"role": "user", "content": "x"}], extra_headers={"X-Job-Type": "batch"}
             )
-        uploaded = client.files.create(file=("a.jsonl", _lines(3)), purpose="batch")
+        uploaded = client.files.create(file=("a.jsonl", batch_input(3)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
@@ -444,7 +435,7 @@ def test_two_routers_on_one_store_run_each_line_once(
         for cluster in (first, second):
             cluster.team.token_delay = token_delay
         client = openai.OpenAI(base_url=first.base_url, api_key="none", max_retries=0)
-        uploaded = client.files.create(file=("a.jsonl", _lines(lines)), purpose="batch")
+        uploaded = client.files.create(file=("a.jsonl", batch_input(lines)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
@@ -482,7 +473,7 @@ def test_the_batch_backs_off_when_live_requests_queue_on_its_pool(
     with make_cluster(batch={**FAST, "max_concurrency": 8}) as cluster:
         cluster.team.token_delay = 0.05  # a batch line: 4 tokens, 0.2 s
         client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
-        uploaded = client.files.create(file=("a.jsonl", _lines(400)), purpose="batch")
+        uploaded = client.files.create(file=("a.jsonl", batch_input(400)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
@@ -524,7 +515,7 @@ def test_the_speculative_pools_idle_room_only_when_allowed(
         _wait(lambda: not httpx.get(cluster.router.url + "/readyz").json()["backends"]["team-1"])
         cluster.fast.token_delay = 0.02
         client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
-        uploaded = client.files.create(file=("a.jsonl", _lines(30)), purpose="batch")
+        uploaded = client.files.create(file=("a.jsonl", batch_input(30)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
@@ -556,9 +547,16 @@ def test_a_store_that_cannot_be_opened_leaves_live_traffic_served(
         assert client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}]).choices
         answer = httpx.get(cluster.base_url + "/batches")
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "batch_store_unavailable"
-        assert answer.headers["retry-after"] == "60"
         status = httpx.get(cluster.router.url + "/router/status").json()["batches"]
         assert status["store"] is None and "a-file" in status["store_error"]
+        # Retry-After is the interval the store is tried again at: a client that retries as told,
+        # once the cause is gone, finds it open, and is not told to wait longer than that.
+        retry_after = int(answer.headers["retry-after"])
+        assert retry_after == REOPEN_SECONDS
+        blocker.unlink()
+        fixed = time.monotonic()
+        _wait(lambda: httpx.get(cluster.base_url + "/batches").status_code == 200, timeout=retry_after + 10)
+        assert time.monotonic() - fixed <= retry_after + 1
 
 
 def test_disabled_the_batch_paths_are_forwarded_like_any_post(

@@ -12,27 +12,12 @@ from pathlib import Path
 
 import openai
 
-from tests.conftest import settings_data
+from tests.batches import batch_input, router_config
 from tests.fake_engine import FakeEngine
-from tests.servers import ServerThread
-from tests.test_signals import serve
+from tests.servers import ServerThread, serve
 
 LINES = 200
 CONCURRENCY = 8  # the engine's slots in the router's settings: at most this many lines in flight
-
-
-def _input() -> bytes:
-    rows = (
-        {
-            "custom_id": f"line-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            # The engine sees no custom_id: the message carries it, so the engine can count lines.
-            "body": {"model": "test-model", "max_tokens": 4, "messages": [{"role": "user", "content": f"line-{i}"}]},
-        }
-        for i in range(LINES)
-    )
-    return "".join(json.dumps(row) + "\n" for row in rows).encode()
 
 
 def _recorded(store: Path) -> set[str]:
@@ -45,20 +30,12 @@ def test_a_batch_survives_sigkill_and_each_line_is_answered_once(tmp_path: Path)
     engine = FakeEngine(token_delay=0.02)  # in this process: it outlives the router
     with ServerThread(engine.app()) as server:
         store = tmp_path / "store"
-        data = settings_data(
-            server.url,
-            server.url,
-            batch={"store_dir": str(store), "poll_interval": 0.05, "lease_seconds": 1.0, "reserve_slots": 1},
-        )
-        for pool in data["pools"].values():
-            for backend in pool["backends"].values():
-                backend["max_concurrency"] = CONCURRENCY
-        config = tmp_path / "router.yaml"
-        config.write_text(json.dumps(data))  # JSON is YAML
+        stored = {"store_dir": str(store), "poll_interval": 0.05, "lease_seconds": 1.0, "reserve_slots": 1}
+        config = router_config(tmp_path, server.url, slots=CONCURRENCY, batch=stored)
 
         with serve(config) as (process, url):
             client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-            uploaded = client.files.create(file=("lines.jsonl", _input()), purpose="batch")
+            uploaded = client.files.create(file=("lines.jsonl", batch_input(LINES, prefix="line")), purpose="batch")
             batch = client.batches.create(
                 input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
             )

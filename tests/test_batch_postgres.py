@@ -28,15 +28,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from router.batch.postgres import PostgresStore
-from router.batch.store import BatchRecord, FileRecord, SqliteStore, StorageFull, Store
+from router.batch.sqlite import SqliteStore
+from router.batch.store import BatchRecord, FileRecord, StorageFull, Store
 from router.cli import main as cli
 from router.config import Settings
+from tests.batches import batch_input, router_config
 from tests.conftest import Cluster, settings_data
 from tests.fake_engine import FakeEngine
-from tests.postgres import PASSWORD, PostgresServer, free_port
-from tests.servers import ServerThread
-from tests.test_batch import FAST, _finished, _jsonl, _lines
-from tests.test_signals import serve
+from tests.postgres import PASSWORD, PostgresServer
+from tests.servers import ServerThread, free_port, serve
+from tests.test_batch import FAST, _finished, _jsonl
 from tests.wait import wait_until
 
 DSN_ENV = "BATCH_TEST_POSTGRES_DSN"  # not SPECROUTE_*: the routers in their own processes get it
@@ -69,7 +70,7 @@ def test_whole_cycle_with_the_sdk_on_postgres(
         alice = openai.OpenAI(base_url=cluster.base_url, api_key="alice-key", max_retries=0)
         bob = openai.OpenAI(base_url=cluster.base_url, api_key="bob-key", max_retries=0)
         # A file of several chunks (1 MiB each) comes back byte for byte.
-        big = _lines(12_000, prefix="big")
+        big = batch_input(12_000, prefix="big")
         assert len(big) > 2 * 1024 * 1024
         stored = alice.files.create(file=("big.jsonl", big), purpose="batch")
         assert stored.bytes == len(big) and alice.files.content(stored.id).content == big
@@ -78,7 +79,7 @@ def test_whole_cycle_with_the_sdk_on_postgres(
             assert chunks.fetchone() == (len(big) // (1024 * 1024) + 1,)
         assert alice.files.delete(stored.id).deleted
 
-        content = _lines(20) + _lines(1, prefix="bad", model="no-such-model")
+        content = batch_input(20) + batch_input(1, prefix="bad", model="no-such-model")
         uploaded = alice.files.create(file=("input.jsonl", content), purpose="batch")
         batch = alice.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"k": "v"}
@@ -142,23 +143,19 @@ def test_two_routers_share_one_postgres_store_and_one_is_killed(
     monkeypatch.setenv(KEYS_ENV, "alice-key,bob-key")
     engine = FakeEngine(token_delay=0.1)  # 4 tokens: 0.4 s a line; in this process, it outlives the routers
     with ServerThread(engine.app()) as server, contextlib.ExitStack() as stack:
-        configs = []
-        for name in ("a", "b"):
-            (tmp_path / name).mkdir()
-            data = settings_data(
+        configs = [
+            router_config(
+                tmp_path / name,
                 server.url,
-                server.url,
+                slots=CONCURRENCY,
                 auth={"client_keys_env": KEYS_ENV},
                 batch=_store(store_dir=str(tmp_path / name / "spool"), lease_seconds=3.0, max_concurrency=IN_FLIGHT),
             )
-            for pool in data["pools"].values():
-                for backend in pool["backends"].values():
-                    backend["max_concurrency"] = CONCURRENCY
-            configs.append(tmp_path / name / "router.yaml")
-            configs[-1].write_text(json.dumps(data))  # JSON is YAML
+            for name in ("a", "b")
+        ]
         (first, first_url), (_, second_url) = (stack.enter_context(serve(config)) for config in configs)
         alice = openai.OpenAI(base_url=first_url + "/v1", api_key="alice-key", max_retries=0)
-        uploaded = alice.files.create(file=("lines.jsonl", _lines(LINES, max_tokens=4)), purpose="batch")
+        uploaded = alice.files.create(file=("lines.jsonl", batch_input(LINES, max_tokens=4)), purpose="batch")
         batch = alice.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
@@ -282,7 +279,7 @@ def test_a_database_out_of_reach_is_503_and_live_traffic_is_served(
 
             relay.open(port)  # the database comes within reach: the store opens on its own
             uploaded = wait_until(
-                lambda: _try(lambda: client.files.create(file=("a.jsonl", _lines(20)), purpose="batch")),
+                lambda: _try(lambda: client.files.create(file=("a.jsonl", batch_input(20)), purpose="batch")),
                 timeout=30,
                 interval=0.2,
                 message="the store opened",
@@ -353,7 +350,7 @@ def test_the_postgres_store_needs_its_dsn_env() -> None:
 def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Store, Store]]:
     """Two handles on one store, as two routers have: one SQLite file, or one PostgreSQL database."""
     if request.param == "sqlite":
-        pair: tuple[Store, Store] = (SqliteStore(tmp_path), SqliteStore(tmp_path))
+        pair: tuple[Store, Store] = (SqliteStore(tmp_path, clock=time.time), SqliteStore(tmp_path, clock=time.time))
     else:
         url = request.getfixturevalue("postgres").database("t_" + uuid.uuid4().hex[:12])
         pair = (

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -17,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from tests.batches import batch_input
 from tests.conftest import Cluster
 from tests.wait import until
 
@@ -30,19 +32,6 @@ GAUGES = [
         for j in ("interactive", "batch")
     ),
 ]
-
-
-def _lines(count: int, *, prefix: str = "r") -> bytes:
-    rows = [
-        {
-            "custom_id": f"{prefix}-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"model": "test-model", "max_tokens": 2, "messages": [{"role": "user", "content": f"{i}"}]},
-        }
-        for i in range(count)
-    ]
-    return "".join(json.dumps(row) + "\n" for row in rows).encode()
 
 
 def _multipart(file: bytes, *, closed: bool = True) -> bytes:
@@ -120,7 +109,7 @@ async def _nothing_left(cluster: Cluster) -> None:
 async def test_a_slow_upload_is_408_while_other_uploads_and_requests_go_on(make_cluster: MakeCluster) -> None:
     with make_cluster(batch={"upload_timeout": 5, "poll_interval": 0.05}) as cluster:
         store = _store(cluster)
-        body = _multipart(_lines(20, prefix="slow"))
+        body = _multipart(batch_input(20, prefix="slow"))
         reader, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
         writer.write(_head(len(body)) + body[:200])
         await writer.drain()
@@ -141,7 +130,7 @@ async def test_a_slow_upload_is_408_while_other_uploads_and_requests_go_on(make_
         answering = asyncio.create_task(answered())
         # Meanwhile another client uploads (while the slow one is held), runs a batch, and chats.
         client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=30)
-        uploaded = await client.files.create(file=("fine.jsonl", _lines(5)), purpose="batch")
+        uploaded = await client.files.create(file=("fine.jsonl", batch_input(5)), purpose="batch")
         assert not answering.done()
         batch = await client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -180,7 +169,7 @@ async def test_an_upload_over_the_limit_is_413_before_it_is_all_sent(make_cluste
         # Chunked, so the size shows only as it arrives; far more than the limit on offer.
         reader, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
         writer.write(_head(None))
-        chunk = _lines(500)
+        chunk = batch_input(500)
         offered = 256 * 1024 * 1024
         sent = 0
 
@@ -214,17 +203,17 @@ async def test_an_upload_over_the_limit_is_413_before_it_is_all_sent(make_cluste
 @pytest.mark.parametrize(
     ("body", "why"),
     [
-        (_multipart(_lines(3), closed=False), "ends before the closing boundary"),
-        (_multipart(_lines(3))[:-40], "ends before the closing boundary"),  # cut inside the file
+        (_multipart(batch_input(3), closed=False), "ends before the closing boundary"),
+        (_multipart(batch_input(3))[:-40], "ends before the closing boundary"),  # cut inside the file
         (_multipart(b"")[:60], "ends before the closing boundary"),  # cut inside a part's headers
         (b"not multipart at all", "Expected boundary character"),
         (
-            _multipart(_lines(1)).replace(b'name="purpose"', b'name="purpose" ' + b"x" * 9000),
+            _multipart(batch_input(1)).replace(b'name="purpose"', b'name="purpose" ' + b"x" * 9000),
             "",  # a part header over python-multipart's limit
         ),
-        (_multipart(_lines(1)).replace(b"batch\r\n", b"b" * 2000 + b"\r\n"), "over 1024 bytes"),
+        (_multipart(batch_input(1)).replace(b"batch\r\n", b"b" * 2000 + b"\r\n"), "over 1024 bytes"),
         (  # headers each within python-multipart's line limit, too many bytes in all
-            _multipart(_lines(1)).replace(
+            _multipart(batch_input(1)).replace(
                 b'name="purpose"\r\n',
                 b'name="purpose"\r\n' + b"".join(b"x-%d: " % i + b"a" * 3000 + b"\r\n" for i in range(3)),
             ),
@@ -247,7 +236,7 @@ async def test_a_malformed_or_truncated_multipart_body_is_400(make_cluster: Make
 async def test_a_client_that_leaves_mid_upload_leaves_nothing(make_cluster: MakeCluster) -> None:
     with make_cluster() as cluster:
         store = _store(cluster)
-        body = _multipart(_lines(200))
+        body = _multipart(batch_input(200))
         _, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
         writer.write(_head(len(body)) + body[: len(body) // 2])
         await writer.drain()
@@ -260,8 +249,8 @@ async def test_a_client_that_leaves_mid_upload_leaves_nothing(make_cluster: Make
 @pytest.mark.parametrize(
     "files",
     [
-        {"other": ("a.jsonl", _lines(1))},  # no part named `file`
-        [("file", ("a.jsonl", _lines(1))), ("file", ("b.jsonl", _lines(1)))],  # two files
+        {"other": ("a.jsonl", batch_input(1))},  # no part named `file`
+        [("file", ("a.jsonl", batch_input(1))), ("file", ("b.jsonl", batch_input(1)))],  # two files
     ],
 )
 def test_a_file_part_named_otherwise_or_a_second_file_is_400(make_cluster: MakeCluster, files: Any) -> None:
@@ -275,10 +264,10 @@ def test_a_file_part_named_otherwise_or_a_second_file_is_400(make_cluster: MakeC
 
 
 def _big_file(megabytes: int) -> bytes:
-    line = _lines(1)
+    line = batch_input(1)
     filler = "x" * 4000
     rows = (
-        line.replace(b'"r-0"', f'"r-{i}"'.encode()).replace(b'"0"', f'"{i} {filler}"'.encode())
+        line.replace(b'"r-0"', f'"r-{i}"'.encode(), 1).replace(b'"r-0"', f'"{i} {filler}"'.encode())
         for i in range(megabytes * 250)
     )
     return b"".join(rows)
@@ -325,7 +314,7 @@ async def test_a_download_is_whole_though_the_file_is_deleted_meanwhile_and_leav
 async def test_uploads_at_once_each_keep_their_own_content(make_cluster: MakeCluster) -> None:
     with make_cluster() as cluster:
         client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=60)
-        contents = [_lines(200 + i, prefix=f"u{i}") for i in range(8)]
+        contents = [batch_input(200 + i, prefix=f"u{i}") for i in range(8)]
         uploaded = await asyncio.gather(
             *(client.files.create(file=(f"u{i}.jsonl", content), purpose="batch") for i, content in enumerate(contents))
         )
@@ -334,4 +323,95 @@ async def test_uploads_at_once_each_keep_their_own_content(make_cluster: MakeClu
             assert (await client.files.content(file.id)).content == content
             await client.files.delete(file.id)
         await client.close()
+        await _nothing_left(cluster)
+
+
+class _Sampler:
+    """Watches, from a thread, for a temporary file in the store while a test's exchange runs:
+    one seen at any moment is kept."""
+
+    def __init__(self, store: str) -> None:
+        self._store = store
+        self.seen: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> _Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self.seen += _temporary_files(self._store)
+            self._stop.wait(0.001)
+
+
+@pytest.mark.anyio
+async def test_an_upload_the_store_has_no_room_for_is_413_before_it_reaches_the_disk(
+    make_cluster: MakeCluster,
+) -> None:
+    filler = batch_input(2000, prefix="filler")
+    room = 100_000
+    with make_cluster(batch={"max_storage_bytes": len(filler) + room}) as cluster:
+        store = _store(cluster)
+        other = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="other", max_retries=0, timeout=30)
+        kept = await other.files.create(file=("filler.jsonl", filler), purpose="batch")  # the store nearly full
+        too_big = _multipart(batch_input(5000, prefix="big"))  # far under max_file_bytes, over the room left
+
+        # Declared too large: 413 with only the head sent, no temporary file ever made.
+        with _Sampler(store) as sampler:
+            reader, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
+            writer.write(_head(len(too_big)) + too_big[:100])
+            await writer.drain()
+            error = _error(await _answer(reader, within=10), 413, "storage_full")
+            assert error["param"] == "file" and f"{room} bytes left" in error["message"]
+            # The connection ends cleanly: the router closes it rather than read the rest as a request.
+            async with asyncio.timeout(10):
+                assert await reader.read() == b""
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        assert not sampler.seen, sampler.seen
+
+        # Chunked: the size shows only as it arrives; 413 once it passes the room, the rest unread.
+        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
+        writer.write(_head(None))
+        offered = 64 * 1024 * 1024
+        sent = 0
+
+        async def flood() -> None:
+            nonlocal sent
+            piece = batch_input(200)
+            for data in (_multipart(b"", closed=False), *(piece for _ in range(offered // len(piece)))):
+                writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                await writer.drain()
+                sent += len(data)
+                await asyncio.sleep(0)  # let the reader see the answer when it comes
+
+        flooding = asyncio.create_task(flood())
+        try:
+            _error(await _answer(reader), 413, "storage_full")
+            assert sent < offered // 4, sent
+        finally:
+            flooding.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+                await flooding
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        await _nothing_left(cluster)  # its temporary file gone, gauges at 0, chat served
+
+        # An upload that fits is taken.
+        client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=30)
+        fits = batch_input(100)
+        taken = await client.files.create(file=("fits.jsonl", fits), purpose="batch")
+        assert (await client.files.content(taken.id)).content == fits
+        await client.files.delete(taken.id)
+        await other.files.delete(kept.id)
+        await client.close()
+        await other.close()
         await _nothing_left(cluster)

@@ -150,7 +150,8 @@ def test_dockerfile_targets() -> None:
     assert "FROM" not in runtime.split("\n", 1)[1], "runtime is the last stage: the default target"
     assert runtime.count("/readyz") == 1 and "HEALTHCHECK" in runtime
     assert "SPECROUTE_LISTEN__HOST=0.0.0.0" in runtime
-    assert "pip install -c /tmp/constraints.txt .\n" in text  # the runtime environment: no extras
+    # The runtime environment: the postgres extra (batch.store: postgres), not the tools.
+    assert "pip install -c /tmp/constraints.txt '.[postgres]'\n" in text
     assert "'.[tools]'" in text
 
 
@@ -161,6 +162,6 @@ def test_constraints_pin_every_dependency() -> None:
         if line and not line.startswith("#"):
             name, version = line.split("==")
             pinned[re.sub(r"[-_.]+", "-", name).lower()] = version
-    for requirement in project["dependencies"]:
+    for requirement in [*project["dependencies"], *project["optional-dependencies"]["postgres"]]:
         name = re.split(r"[\[<>=!~ ]", requirement, maxsplit=1)[0]
         assert re.sub(r"[-_.]+", "-", name).lower() in pinned, f"{name} is not pinned in docker/constraints.txt"

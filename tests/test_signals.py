@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,51 +22,12 @@ import yaml
 
 from tests.conftest import settings_data
 from tests.fake_engine import FakeEngine
-from tests.servers import ServerThread
+from tests.servers import ServerThread, serve
 from tests.wait import until, wait_until
 
 pytestmark = pytest.mark.e2e  # `specroute serve` in its own process
 
 GRACE = 3.0  # the short stream (about 0.5 s) ends well inside it even on a busy machine
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-@contextmanager
-def serve(config: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """`specroute serve --config FILE` in its own process; yields it and its URL once it answers."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")}
-    log = (config.parent / "router.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "serve", "--config", str(config), "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        assert process.poll() is None, (config.parent / "router.log").read_text()
-        try:
-            return httpx.get(url + "/healthz", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(up, timeout=60, interval=0.05, message="the router answers /healthz")
-        yield process, url
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-        log.close()
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from starlette.routing import BaseRoute, Mount, Route
 
 from router.batch import files
 from router.batch.store import BatchRecord, FileRecord, StorageFull
-from router.batch.upload import receive_upload
+from router.batch.upload import receive_upload, refuse_declared
 from router.errors import BadRequest, Conflict, NotFound, PayloadTooLarge
 from router.headers import bearer
 from router.payload import ClientGone, parse_json, read_body
@@ -74,11 +74,16 @@ class _Api:
     async def upload(self, request: Request) -> Response:
         owner = self._owner(request)
         config, store = self._service.config, self._service.store
+        # The room left now: a file the store cannot take is refused as soon as that shows,
+        # before a byte of it reaches the disk if its Content-Length says so. The store still
+        # has the last word (`StorageFull`): another upload may take the room meanwhile.
+        room = max(0, config.max_storage_bytes - await anyio.to_thread.run_sync(store.used_bytes))
+        refuse_declared(request, max_file_bytes=config.max_file_bytes, room=room)
         spool = await anyio.to_thread.run_sync(store.temporary_file)
         try:
             try:
                 form = await receive_upload(
-                    request, spool, max_file_bytes=config.max_file_bytes, within=config.upload_timeout
+                    request, spool, max_file_bytes=config.max_file_bytes, room=room, within=config.upload_timeout
                 )
             except ClientGone:
                 return Response(status_code=499)  # nobody is left to answer

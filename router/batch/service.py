@@ -14,7 +14,8 @@ import anyio
 from router.batch.api import batch_routes
 from router.batch.metrics import BatchMetrics
 from router.batch.runner import Runner
-from router.batch.store import SqliteStore, Store
+from router.batch.sqlite import SqliteStore
+from router.batch.store import Store
 from router.config import Batch as BatchConfig
 from router.errors import NoBackendAvailable
 
@@ -26,7 +27,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("specroute.batch")
 
-_REOPEN_SECONDS = 5.0  # how often a store that could not be opened is tried again
+# How often a store that could not be opened is tried again: also the Retry-After its 503 gives,
+# so a client retrying as told finds the store open as soon as it can be.
+REOPEN_SECONDS = 5
 
 
 class BatchService:
@@ -50,7 +53,7 @@ class BatchService:
         if self._store is None:
             raise NoBackendAvailable(
                 f"the batch store is not available: {self._unavailable or 'not open yet'}",
-                retry_after=60,
+                retry_after=REOPEN_SECONDS,
                 code="batch_store_unavailable",
             )
         return self._store
@@ -70,7 +73,7 @@ class BatchService:
         """Open the store and run every batch left unfinished, by this router or a previous one.
         While the store cannot be opened (a database not up yet), the router serves live traffic,
         the Batch API answers 503 `batch_store_unavailable`, and the store is tried again every
-        `_REOPEN_SECONDS`."""
+        `REOPEN_SECONDS`."""
         if not self._enabled:
             return
         opened = await self._open()
@@ -90,14 +93,14 @@ class BatchService:
 
     async def _run(self, opened: bool) -> None:
         while not opened:
-            await anyio.sleep(_REOPEN_SECONDS)
+            await anyio.sleep(REOPEN_SECONDS)
             opened = await self._open()
         await self.runner.run()
 
     def _connect(self) -> Store:
         config = self._started_with  # as the router started: a reload cannot move the store
         if config.store == "sqlite":
-            return SqliteStore(config.store_dir)
+            return SqliteStore(config.store_dir, clock=self._clock)
         dsn = config.postgres_dsn()
         if not dsn:
             raise RuntimeError(f"${config.postgres_dsn_env} (batch.postgres_dsn_env) is not set")

@@ -4,10 +4,12 @@ into memory.
 python-multipart's streaming parser (the one under Starlette's `request.form()`) reads the
 multipart body chunk by chunk; its callbacks here write the file part to a temporary file the
 store gives (beside its data, not in a RAM-backed /tmp) and keep the few small fields in memory.
-Everything is bounded: the body by `max_file_bytes` plus room for the multipart framing, the
-file part by `max_file_bytes`, the other fields by count and size, each part's headers by size,
-and the whole body by a time. A body that ends before its closing boundary is
-400: the parser alone would take it as complete.
+Everything is bounded: the body by the file's limit plus room for the multipart framing, the
+file part by its limit, the other fields by count and size, each part's headers by size, and
+the whole body by a time. The file's limit is `max_file_bytes` or the room left in the store,
+whichever is less: a body declared too large for it is refused before a temporary file is made
+(`refuse_declared`), one found too large as it arrives as soon as it passes it. A body that ends
+before its closing boundary is 400: the parser alone would take it as complete.
 """
 
 from __future__ import annotations
@@ -42,25 +44,33 @@ class Upload:
     fields: dict[str, str]  # the other parts, e.g. {"purpose": "batch"}
 
 
-async def receive_upload(request: Request, file: IO[bytes], *, max_file_bytes: int, within: float) -> Upload:
+def refuse_declared(request: Request, *, max_file_bytes: int, room: int) -> None:
+    """413 at once if the request's Content-Length alone says its file is over `max_file_bytes`,
+    or over the `room` left in the store: before a temporary file is made or a byte is read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > min(max_file_bytes, room) + MULTIPART_OVERHEAD:
+        raise _too_large(max_file_bytes, room)
+
+
+async def receive_upload(request: Request, file: IO[bytes], *, max_file_bytes: int, room: int, within: float) -> Upload:
     """Read the multipart body of `request`, writing its part `file` to `file`.
 
     400 `invalid_multipart` for a body that is not well-formed multipart, 413 `file_too_large`
-    past the size limits, 408 `body_timeout` past `within` seconds; `router.payload.ClientGone`
-    if the client leaves. `file` holds what was written so far whatever happens: its owner
-    discards it."""
+    past the size limits or `storage_full` past the `room` left in the store, 408 `body_timeout`
+    past `within` seconds; `router.payload.ClientGone` if the client leaves. `file` holds what
+    was written so far whatever happens: its owner discards it."""
     kind, options = parse_options_header(request.headers.get("content-type"))
     boundary = options.get(b"boundary")
     if kind != b"multipart/form-data" or not boundary:
         raise _malformed("the body must be multipart/form-data with a boundary")
-    parts = _Parts(file, max_file_bytes=max_file_bytes)
+    parts = _Parts(file, max_file_bytes=max_file_bytes, room=room)
     try:
         parser = MultipartParser(boundary, parts.callbacks())
     except FormParserError as exc:
         raise _malformed(str(exc)) from exc
     chunks = body_chunks(
         request.receive,
-        limit=max_file_bytes + MULTIPART_OVERHEAD,
+        limit=min(max_file_bytes, room) + MULTIPART_OVERHEAD,
         within=within,
         declared=request.headers.get("content-length"),
         code="file_too_large",
@@ -74,7 +84,7 @@ async def receive_upload(request: Request, file: IO[bytes], *, max_file_bytes: i
                 except FormParserError as exc:
                     raise _malformed(str(exc)) from exc
     except PayloadTooLarge as exc:  # the body, or the file part in it: both are the file's limit
-        raise _too_large(max_file_bytes) from exc
+        raise _too_large(max_file_bytes, room) from exc
     if not parts.ended:
         raise _malformed("the body ends before the closing boundary")
     return Upload(parts.filename, parts.size, parts.fields)
@@ -86,6 +96,7 @@ class _Parts:
 
     file: IO[bytes]
     max_file_bytes: int
+    room: int  # left in the store
     filename: str | None = None
     size: int = 0
     fields: dict[str, str] = field(default_factory=dict)
@@ -155,8 +166,8 @@ class _Parts:
     def _part_data(self, data: bytes, start: int, end: int) -> None:
         if self._in_file:
             self.size += end - start
-            if self.size > self.max_file_bytes:
-                raise _too_large(self.max_file_bytes)
+            if self.size > min(self.max_file_bytes, self.room):
+                raise _too_large(self.max_file_bytes, self.room)
             self.file.write(data[start:end])
             return
         if len(self._value) + end - start > _MAX_FIELD_BYTES:
@@ -179,8 +190,13 @@ def _text(raw: bytes) -> str:
         return raw.decode("latin-1")
 
 
-def _too_large(limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(f"the file is over the {limit} byte limit", param="file", code="file_too_large")
+def _too_large(max_file_bytes: int, room: int) -> PayloadTooLarge:
+    """The 413 for a file over its limit: the store's room if that is the lesser."""
+    if room < max_file_bytes:
+        why = f"no room for the file: the batch store has {room} bytes left"
+        return PayloadTooLarge(why, param="file", code="storage_full")
+    why = f"the file is over the {max_file_bytes} byte limit"
+    return PayloadTooLarge(why, param="file", code="file_too_large")
 
 
 def _malformed(why: str) -> BadRequest:

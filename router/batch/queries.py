@@ -1,0 +1,436 @@
+"""The store's queries, each written once for SQLite and PostgreSQL: `Queries`, the part of
+`SqliteStore` (sqlite.py) and `PostgresStore` (postgres.py) that is the same SQL.
+
+A query is one text with named parameters (`:name`) and the few words the two databases say
+differently, which its store's `Dialect` fills in:
+
+- the parameters: `:name` for sqlite3, `%(name)s` for psycopg;
+- the tables' names (PostgreSQL's carry a `specroute_` prefix: they share a database);
+- the clock a lease is timed by: the router's on SQLite (given as `:now`; every router on the
+  file is on one host), the database's own on PostgreSQL, so routers whose clocks disagree still
+  agree on a lease (a time a router gives is read as a delay from its own clock);
+- the row locks PostgreSQL needs and SQLite, one writer at a time, does not: lines taken with
+  `FOR UPDATE SKIP LOCKED`, a batch's row locked before a line of it is recorded or it is finished.
+
+What the two keep in their own ways, each store writes itself: connections and transactions,
+how a file's content is kept (a blob; rows of chunks), how a batch's lines go in (one insert per
+line; COPY), and how the lines are read back as a batch's files are written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, Protocol, TypeVar
+
+from router.batch.store import (
+    ACTIVE,
+    BATCH_COLUMNS,
+    BatchRecord,
+    BatchStatus,
+    FileRecord,
+    Line,
+    batch_record,
+    batch_values,
+    unanswered_line,
+)
+
+FILE_COLUMNS = "id, owner, filename, purpose, bytes, created_at"
+_RUNNING = ("in_progress", "cancelling")  # a line of a batch in these may still be recorded
+
+
+# The tables both stores keep, in types both databases take: SQLite reads BIGINT, BOOLEAN and
+# DOUBLE PRECISION, by its affinity rules, as INTEGER, NUMERIC and REAL.
+TABLES = """
+CREATE TABLE IF NOT EXISTS {files} (
+    seq {serial},
+    id TEXT NOT NULL UNIQUE,
+    owner TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    purpose TEXT NOT NULL,
+    bytes BIGINT NOT NULL,
+    created_at BIGINT NOT NULL{file_content}
+);
+CREATE TABLE IF NOT EXISTS {batches} (
+    seq {serial},
+    id TEXT NOT NULL UNIQUE,
+    owner TEXT NOT NULL,
+    status TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    input_file_id TEXT NOT NULL,
+    completion_window TEXT NOT NULL,
+    model TEXT,
+    metadata TEXT,
+    errors TEXT,
+    created_at BIGINT NOT NULL,
+    expires_at BIGINT NOT NULL,
+    in_progress_at BIGINT,
+    finalizing_at BIGINT,
+    completed_at BIGINT,
+    failed_at BIGINT,
+    expired_at BIGINT,
+    cancelling_at BIGINT,
+    cancelled_at BIGINT,
+    output_file_id TEXT,
+    error_file_id TEXT,
+    total INTEGER NOT NULL,
+    completed INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS {lines} (
+    batch_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    custom_id TEXT NOT NULL,
+    url TEXT NOT NULL,
+    body TEXT NOT NULL,
+    done BOOLEAN NOT NULL DEFAULT FALSE,
+    failed BOOLEAN NOT NULL DEFAULT FALSE,
+    result TEXT,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    lease_owner TEXT,
+    lease_until DOUBLE PRECISION NOT NULL DEFAULT 0,
+    PRIMARY KEY (batch_id, idx)
+)
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    paramstyle: Literal["named", "pyformat"]  # :name (sqlite3), %(name)s (psycopg)
+    tables: str  # the prefix of the tables' names
+    serial: str  # a table's own sequence, its key
+    file_content: str  # after a file's columns: the content, where it is kept in the file's row
+    now: str  # the time leases are read against
+    skip_locked: str  # after the SELECT of the lines to take: pass over those being taken
+    lock_batch: str  # after the SELECT of a batch's row about to change: hold it to the end
+
+    def sql(self, template: str) -> str:
+        """`template` in this dialect's words (a few microseconds: not worth keeping)."""
+        text = template.format(
+            files=f"{self.tables}files",
+            batches=f"{self.tables}batches",
+            lines=f"{self.tables}lines",
+            now=self.now,
+            skip_locked=self.skip_locked,
+            lock_batch=self.lock_batch,
+            serial=self.serial,
+            file_content=self.file_content,
+        )
+        return re.sub(r":(\w+)", r"%(\1)s", text) if self.paramstyle == "pyformat" else text
+
+
+SQLITE = Dialect(
+    paramstyle="named",
+    tables="",
+    serial="INTEGER PRIMARY KEY AUTOINCREMENT",
+    file_content=",\n    content BLOB NOT NULL",
+    now=":now",
+    skip_locked="",
+    lock_batch="",
+)
+POSTGRES = Dialect(
+    paramstyle="pyformat",
+    tables="specroute_",
+    serial="BIGSERIAL PRIMARY KEY",
+    file_content="",  # rows of chunks: specroute_file_chunks
+    now="extract(epoch FROM clock_timestamp())",
+    skip_locked=" FOR UPDATE SKIP LOCKED",
+    lock_batch=" FOR NO KEY UPDATE",
+)
+
+
+class Cursor(Protocol):
+    @property
+    def rowcount(self) -> int: ...
+    def fetchone(self) -> Any: ...
+    def fetchall(self) -> list[Any]: ...
+
+
+class Connection(Protocol):
+    def execute(self, sql: str, params: Mapping[str, Any], /) -> Cursor: ...
+
+
+class Output(Protocol):
+    """A batch's output or error file as `finish` writes it."""
+
+    def write(self, data: bytes) -> None: ...
+    def close(self) -> int:
+        """Keep the file if anything was written (its size), else leave no trace of it (0)."""
+        ...
+
+
+Db = TypeVar("Db", bound=Connection)
+
+
+class Queries(Generic[Db]):
+    """Every query both stores run. A store gives its dialect, its clock, transactions and
+    reads, and the few steps it takes its own way (the `_` methods below that raise)."""
+
+    dialect: Dialect
+
+    def __init__(self, *, clock: Callable[[], float]) -> None:
+        self._clock = clock
+
+    # What each store does its own way.
+
+    def _tx(self) -> AbstractContextManager[Db]:
+        """One transaction, committed at the end, rolled back on an error."""
+        raise NotImplementedError
+
+    def _rows(self, sql: str, args: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """The rows of one read."""
+        raise NotImplementedError
+
+    def _many(self, db: Db, sql: str, rows: list[dict[str, Any]]) -> None:
+        """`sql` once for each of `rows`."""
+        raise NotImplementedError
+
+    def _insert_lines(self, db: Db, batch_id: str, lines: Iterable[tuple[str, str, str]]) -> None:
+        raise NotImplementedError
+
+    def _each(self, db: Db, sql: str, args: Mapping[str, Any]) -> Iterator[tuple[Any, ...]]:
+        """The rows of a read that may be long, as they come (not all in memory)."""
+        raise NotImplementedError
+
+    def _output(self, db: Db, record: FileRecord) -> Output:
+        raise NotImplementedError
+
+    # Helpers.
+
+    def _read(self, template: str, **args: Any) -> list[tuple[Any, ...]]:
+        return self._rows(self.dialect.sql(template), args)
+
+    def _run(self, db: Db, template: str, **args: Any) -> Cursor:
+        return db.execute(self.dialect.sql(template), args)
+
+    def _used(self, db: Db) -> int:
+        return int(self._run(db, "SELECT COALESCE(SUM(bytes), 0) FROM {files}").fetchone()[0])
+
+    # Files.
+
+    def used_bytes(self) -> int:
+        """The bytes of every file kept (what `max_storage_bytes` bounds), by every router on the store."""
+        return int(self._read("SELECT COALESCE(SUM(bytes), 0) FROM {files}")[0][0])
+
+    def get_file(self, owner: str, file_id: str) -> FileRecord | None:
+        rows = self._read(
+            f"SELECT {FILE_COLUMNS} FROM {{files}} WHERE id = :id AND owner = :owner", id=file_id, owner=owner
+        )
+        return FileRecord(*rows[0]) if rows else None
+
+    def list_files(
+        self, owner: str, *, purpose: str | None, after: str | None, limit: int, newest_first: bool
+    ) -> tuple[list[FileRecord], bool]:
+        order, compare = ("DESC", "<") if newest_first else ("ASC", ">")
+        sql = f"SELECT {FILE_COLUMNS} FROM {{files}} WHERE owner = :owner"
+        if purpose is not None:
+            sql += " AND purpose = :purpose"
+        if after is not None:
+            sql += f" AND seq {compare} COALESCE((SELECT seq FROM {{files}} WHERE id = :after), -1)"
+        rows = self._read(
+            f"{sql} ORDER BY seq {order} LIMIT :limit", owner=owner, purpose=purpose, after=after, limit=limit + 1
+        )
+        return [FileRecord(*row) for row in rows[:limit]], len(rows) > limit
+
+    def delete_file(self, owner: str, file_id: str) -> bool:
+        with self._tx() as db:
+            deleted = self._run(db, "DELETE FROM {files} WHERE id = :id AND owner = :owner", id=file_id, owner=owner)
+            return deleted.rowcount > 0
+
+    # Batches.
+
+    def create_batch(self, record: BatchRecord, lines: Iterable[tuple[str, str, str]]) -> None:
+        """The batch and its lines `(custom_id, url, body)`, in one transaction. `lines` is taken
+        one at a time: it may read them from a file as they go in."""
+        names = [name.strip() for name in BATCH_COLUMNS.split(",")]
+        marks = ", ".join(f":{name}" for name in names)
+        with self._tx() as db:
+            self._run(
+                db,
+                f"INSERT INTO {{batches}} ({BATCH_COLUMNS}) VALUES ({marks})",
+                **dict(zip(names, batch_values(record), strict=True)),
+            )
+            self._insert_lines(db, record.id, lines)
+
+    def get_batch(self, owner: str, batch_id: str) -> BatchRecord | None:
+        rows = self._read(
+            f"SELECT {BATCH_COLUMNS} FROM {{batches}} WHERE id = :id AND owner = :owner", id=batch_id, owner=owner
+        )
+        return batch_record(rows[0]) if rows else None
+
+    def list_batches(self, owner: str, *, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
+        """Newest first; `after` is the last id of the previous page."""
+        sql = f"SELECT {BATCH_COLUMNS} FROM {{batches}} WHERE owner = :owner"
+        if after is not None:
+            sql += " AND seq < COALESCE((SELECT seq FROM {batches} WHERE id = :after AND owner = :owner), -1)"
+        rows = self._read(f"{sql} ORDER BY seq DESC LIMIT :limit", owner=owner, after=after, limit=limit + 1)
+        return [batch_record(row) for row in rows[:limit]], len(rows) > limit
+
+    def cancel(self, owner: str, batch_id: str, now: int) -> BatchRecord | None:
+        with self._tx() as db:
+            self._run(
+                db,
+                "UPDATE {batches} SET status = 'cancelling', cancelling_at = :at"
+                " WHERE id = :id AND owner = :owner AND status IN ('validating', 'in_progress')",
+                at=now,
+                id=batch_id,
+                owner=owner,
+            )
+        return self.get_batch(owner, batch_id)
+
+    def active(self) -> list[BatchRecord]:
+        among, statuses = _among("status", ACTIVE)
+        rows = self._read(f"SELECT {BATCH_COLUMNS} FROM {{batches}} WHERE status IN ({among}) ORDER BY seq", **statuses)
+        return [batch_record(row) for row in rows]
+
+    def set_status(self, batch_id: str, status: BatchStatus, now: int, *, before: tuple[BatchStatus, ...]) -> None:
+        """Move a batch to `status` (stamping `<status>_at`) if it is in one of `before`."""
+        among, statuses = _among("before", before)
+        with self._tx() as db:
+            self._run(
+                db,
+                f"UPDATE {{batches}} SET status = :status, {status}_at = :at WHERE id = :id AND status IN ({among})",
+                status=status,
+                at=now,
+                id=batch_id,
+                **statuses,
+            )
+
+    def count_by_status(self) -> dict[str, int]:
+        return {
+            status: int(count) for status, count in self._read("SELECT status, COUNT(*) FROM {batches} GROUP BY status")
+        }
+
+    # Lines.
+
+    def claim(self, batch_id: str, owner: str, n: int, *, now: float, until: float) -> list[Line]:
+        """Take up to `n` pending lines nobody holds (in file order), leased to `owner` for
+        `until - now` seconds."""
+        with self._tx() as db:
+            rows = self._run(
+                db,
+                "WITH picked AS ("
+                " SELECT batch_id AS b, idx AS i FROM {lines}"
+                " WHERE batch_id = :batch_id AND done = FALSE AND lease_until <= {now}"
+                " ORDER BY idx LIMIT :n{skip_locked}"
+                ") UPDATE {lines} SET lease_owner = :owner, lease_until = {now} + :lease"
+                " FROM picked WHERE {lines}.batch_id = picked.b AND {lines}.idx = picked.i"
+                " RETURNING batch_id, idx, custom_id, url, body, attempts",
+                batch_id=batch_id,
+                n=n,
+                owner=owner,
+                now=now,
+                lease=until - now,
+            ).fetchall()
+        return sorted((Line(*row) for row in rows), key=lambda line: line.idx)
+
+    def renew(self, owner: str, lines: list[tuple[str, int]], until: float) -> None:
+        """Extend `owner`'s leases on `lines` (batch id, index) that are still pending."""
+        if not lines:
+            return
+        now = self._clock()
+        sql = self.dialect.sql(
+            "UPDATE {lines} SET lease_until = {now} + :lease"
+            " WHERE batch_id = :batch_id AND idx = :idx AND lease_owner = :owner AND done = FALSE"
+        )
+        rows = [{"now": now, "lease": until - now, "batch_id": b, "idx": i, "owner": owner} for b, i in lines]
+        with self._tx() as db:
+            self._many(db, sql, rows)
+
+    def record(self, line: Line, result: dict[str, Any], *, failed: bool) -> bool:
+        """Store a line's result and count it, if it was still pending and its batch still running;
+        returns whether it was recorded (False: it had been answered already)."""
+        with self._tx() as db:
+            # The batch's row first (as `finish` takes it): records of one batch take turns.
+            found = self._run(
+                db, "SELECT status FROM {batches} WHERE id = :id{lock_batch}", id=line.batch_id
+            ).fetchone()
+            if found is None or found[0] not in _RUNNING:
+                return False
+            updated = self._run(
+                db,
+                "UPDATE {lines} SET done = TRUE, failed = :failed, result = :result, lease_owner = NULL"
+                " WHERE batch_id = :batch_id AND idx = :idx AND done = FALSE",
+                failed=failed,
+                result=json.dumps(result, separators=(",", ":")),
+                batch_id=line.batch_id,
+                idx=line.idx,
+            ).rowcount
+            if updated:
+                column = "failed" if failed else "completed"
+                self._run(db, f"UPDATE {{batches}} SET {column} = {column} + 1 WHERE id = :id", id=line.batch_id)
+        return updated > 0
+
+    def retry_later(self, line: Line, not_before: float) -> None:
+        now = self._clock()
+        with self._tx() as db:
+            self._run(
+                db,
+                "UPDATE {lines} SET lease_owner = NULL, lease_until = {now} + :delay, attempts = attempts + 1"
+                " WHERE batch_id = :batch_id AND idx = :idx AND done = FALSE",
+                now=now,
+                delay=not_before - now,
+                batch_id=line.batch_id,
+                idx=line.idx,
+            )
+
+    def release(self, owner: str) -> None:
+        """Give back every line `owner` holds and has not answered (at a graceful stop)."""
+        with self._tx() as db:
+            self._run(
+                db,
+                "UPDATE {lines} SET lease_owner = NULL, lease_until = 0 WHERE lease_owner = :owner AND done = FALSE",
+                owner=owner,
+            )
+
+    def pending(self, batch_id: str) -> int:
+        return int(self._read("SELECT COUNT(*) FROM {lines} WHERE batch_id = :id AND done = FALSE", id=batch_id)[0][0])
+
+    def finish(self, batch_id: str, status: BatchStatus, now: int, *, output_id: str, error_id: str) -> None:
+        """Write the output and error files from the recorded lines and end the batch, in one
+        transaction, the lines read and written a few at a time. Lines never answered go to the
+        error file (`batch_expired` or `batch_cancelled`)."""
+        with self._tx() as db:
+            found = self._run(
+                db, "SELECT owner, status FROM {batches} WHERE id = :id{lock_batch}", id=batch_id
+            ).fetchone()
+            if found is None or found[1] not in ACTIVE:
+                return  # finished already (by another router, or before a crash)
+            owner = found[0]
+            ids = {"output": output_id, "error": error_id}
+            outputs = {
+                kind: self._output(db, FileRecord(file_id, owner, f"{batch_id}_{kind}.jsonl", "batch_output", 0, now))
+                for kind, file_id in ids.items()
+            }
+            unanswered = 0
+            lines = self.dialect.sql(
+                "SELECT custom_id, done, failed, result FROM {lines} WHERE batch_id = :id ORDER BY idx"
+            )
+            for custom_id, done, failed, result in self._each(db, lines, {"id": batch_id}):
+                if not done:
+                    unanswered += 1
+                    result = unanswered_line(custom_id, status)
+                outputs["error" if failed or not done else "output"].write(result.encode() + b"\n")
+            kept = {kind: ids[kind] if output.close() else None for kind, output in outputs.items()}
+            # Expired lines count as failed requests; cancelled ones were never asked for.
+            self._run(
+                db,
+                f"UPDATE {{batches}} SET status = :status, {status}_at = :at, output_file_id = :output,"
+                " error_file_id = :error, failed = failed + :unanswered WHERE id = :id",
+                status=status,
+                at=now,
+                output=kept["output"],
+                error=kept["error"],
+                unanswered=unanswered if status == "expired" else 0,
+                id=batch_id,
+            )
+            self._run(db, "DELETE FROM {lines} WHERE batch_id = :id", id=batch_id)
+
+
+def _among(name: str, values: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+    """`IN (...)` for `values`: its parameters' marks and the parameters."""
+    args = {f"{name}{i}": value for i, value in enumerate(values)}
+    return ", ".join(f":{key}" for key in args), args
