@@ -102,6 +102,14 @@ class Pipeline:
         except RouterError as exc:
             request.status, request.code = exc.status_code, exc.code
             await _send_error(send, exc, _route_headers(arrival, request))
+        except Exception:
+            # A bug: answered in OpenAI's shape if nothing has gone to the client yet, logged and
+            # the connection closed by uvicorn (the request is served past Starlette's own guard).
+            error = RouterError("the router failed to serve the request", code="internal_error")
+            request.status, request.code = error.status_code, error.code
+            if not request.progress.streaming:
+                await _send_error(send, error, _route_headers(arrival, request))
+            raise
         finally:
             # Observation: whatever became of it.
             self._observer.finished(self._finished(arrival, incoming, request, plan))
@@ -149,7 +157,7 @@ class Pipeline:
         try:
             headers = _route_headers(incoming.arrival, request)
             if result.content is not None:
-                request.outcome = await relay_whole(send, result.response, result.content, headers)
+                request.outcome = await relay_whole(send, result.response, result.content, headers, request.progress)
             else:
                 request.outcome = await self._relay_stream(send, incoming, routed, plan, result, request, headers)
             self._note_owner(incoming, result, request.outcome)
