@@ -130,9 +130,10 @@ class Pipeline:
 
         async def send_while_there(message: Message) -> None:
             if serving.gone:
-                # uvicorn drops what is sent to a client that left without suspending, so a relay
-                # from an engine that streams fast might never reach a point where the cancel lands.
-                await asyncio.sleep(0)
+                # The cancel has landed and something under way swallowed it (a task's cancel is
+                # delivered once, where anyio's scope cancelled every await after it): uvicorn
+                # drops what is sent to a client that left, so the relay would run to its end.
+                raise ClientGone
             await send(message)
 
         self._serving.add(serving)
