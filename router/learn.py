@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 from router.clock import Clock, MonotonicClock
 from router.config import Learn
-from router.content import ContentKind
+from router.content import CONTENT_KINDS, ContentKind
 
 _MAX_CONCURRENCY = 512
 _Z95 = 1.96
@@ -327,6 +327,41 @@ class SpeedModel:
                 if estimate is not None:
                     return estimate
         return None
+
+
+class Predictions(Mapping[ContentKind, Estimate | None]):
+    """A backend's predicted speeds by content kind, each worked out when first read.
+
+    A snapshot of the pools is taken for every request, but the policy reads a speed only in
+    `adaptive` mode, and then of one content kind: predicting every kind up front (each decays
+    and weighs every point of up to four curves) was work thrown away on most requests."""
+
+    __slots__ = ("_backend", "_concurrency", "_fallback", "_gain", "_known", "_model")
+
+    def __init__(
+        self, model: SpeedModel, backend: str, concurrency: int, *, gain: float | None, fallback: bool
+    ) -> None:
+        self._model = model
+        self._backend = backend
+        self._concurrency = concurrency
+        self._gain = gain
+        self._fallback = fallback
+        self._known: dict[ContentKind, Estimate | None] = {}
+
+    def __getitem__(self, kind: ContentKind) -> Estimate | None:
+        if kind in self._known:
+            return self._known[kind]
+        if kind not in CONTENT_KINDS:
+            raise KeyError(kind)
+        estimate = self._model.predict(self._backend, kind, self._concurrency, gain=self._gain, fallback=self._fallback)
+        self._known[kind] = estimate
+        return estimate
+
+    def __iter__(self) -> Iterator[ContentKind]:
+        return iter(CONTENT_KINDS)
+
+    def __len__(self) -> int:
+        return len(CONTENT_KINDS)
 
 
 def crossover(

@@ -15,7 +15,7 @@ from router import logs
 from router.backends import Backend
 from router.incoming import Arrival
 from router.learn import SpeedModel
-from router.metrics import Metrics
+from router.metrics import Children, Metrics
 from router.policy import Decision
 
 access_log = logging.getLogger("specroute.access")
@@ -46,24 +46,35 @@ class Observer:
     def __init__(self, metrics: Metrics, speeds: SpeedModel) -> None:
         self._metrics = metrics
         self._speeds = speeds
+        # Each metric's children by label values, resolved once (router.metrics.Children).
+        self._decisions = Children(metrics.decisions)
+        self._queue_wait = Children(metrics.queue_wait)
+        self._upstream_errors = Children(metrics.upstream_errors)
+        self._retries = Children(metrics.retries)
+        self._ttft = Children(metrics.ttft)
+        self._requests = Children(metrics.requests)
+        self._duration = Children(metrics.duration)
+        self._tpot = Children(metrics.tpot)
+        self._completion_tokens = Children(metrics.completion_tokens)
+        self._prompt_tokens = Children(metrics.prompt_tokens)
 
     def decided(self, decision: Decision) -> None:
-        self._metrics.decisions.labels(decision.job, decision.pool, decision.reason, decision.content).inc()
+        self._decisions(decision.job, decision.pool, decision.reason, decision.content).inc()
 
     def queued(self, pool: str, decision: Decision, waited: float) -> None:
-        self._metrics.queue_wait.labels(pool, decision.job).observe(waited)
+        self._queue_wait(pool, decision.job).observe(waited)
 
     def upstream_error(self, backend: Backend, kind: str) -> None:
-        self._metrics.upstream_errors.labels(backend.pool, backend.name, kind).inc()
+        self._upstream_errors(backend.pool, backend.name, kind).inc()
 
     def located(self, result: str) -> None:
         self._metrics.locates.labels(result).inc()
 
     def retried(self, backend: Backend, reason: str) -> None:
-        self._metrics.retries.labels(backend.pool, backend.name, reason).inc()
+        self._retries(backend.pool, backend.name, reason).inc()
 
     def first_token(self, decision: Decision, backend: Backend, model: str | None, ttft: float, token: object) -> None:
-        self._metrics.ttft.labels(decision.pool, backend.name, decision.job, self._metrics.model(model)).observe(ttft)
+        self._ttft(decision.pool, backend.name, decision.job, self._metrics.model(model)).observe(ttft)
         backend.first_tokens.arrived(token, ttft)
 
     def finished(self, done: Finished) -> None:
@@ -74,14 +85,14 @@ class Observer:
         job = decision.job if decision else ""
         model = metrics.model(done.model)
         labels = (pool, name, job, model)
-        metrics.requests.labels(*labels, str(done.status), done.code or "").inc()
-        metrics.duration.labels(*labels).observe(done.duration)
+        self._requests(*labels, str(done.status), done.code or "").inc()
+        self._duration(*labels).observe(done.duration)
         if backend is not None and decision is not None:
             if done.tokens:
-                metrics.completion_tokens.labels(pool, name, model).inc(done.tokens)
+                self._completion_tokens(pool, name, model).inc(done.tokens)
                 elapsed = done.duration - done.ttft if done.ttft is not None else 0.0
                 if elapsed > 0 and done.tokens > 1 and done.status < 400:
-                    metrics.tpot.labels(*labels).observe(elapsed / (done.tokens - 1))
+                    self._tpot(*labels).observe(elapsed / (done.tokens - 1))
                     self._speeds.observe(
                         backend.name,
                         decision.content,
@@ -91,7 +102,7 @@ class Observer:
                         gain=done.accept_length,
                     )
             if done.prompt_tokens:
-                metrics.prompt_tokens.labels(pool, name, model).inc(done.prompt_tokens)
+                self._prompt_tokens(pool, name, model).inc(done.prompt_tokens)
         if access_log.isEnabledFor(logging.INFO):
             fields = access_fields(done)
             access_log.info(logs.key_values(fields), extra={"fields": fields})

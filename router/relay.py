@@ -32,11 +32,13 @@ class Outcome:
 class Progress:
     """How far a relay got, for a request ended under way (client gone, shutdown)."""
 
-    streaming: bool = False  # the answer's head has gone to the client: no error answer now
+    streaming: bool = False  # the answer's head has gone to the client (whole or streamed): no error answer now
     ttft: float | None = None
 
 
-async def relay_whole(send: Send, response: Response, content: bytes, route_headers: dict[str, str]) -> Outcome:
+async def relay_whole(
+    send: Send, response: Response, content: bytes, route_headers: dict[str, str], progress: Progress
+) -> Outcome:
     tokens = prompt_tokens = answer_id = None
     if response.status < 400 and (response.header(b"content-type") or b"").startswith(b"application/json"):
         try:
@@ -48,6 +50,7 @@ async def relay_whole(send: Send, response: Response, content: bytes, route_head
     headers = response_headers(response.headers, route_headers)
     headers.append((b"content-length", str(len(content)).encode()))
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    progress.streaming = True
     await send({"type": "http.response.body", "body": content})
     response_id = answer_id if isinstance(answer_id, str) else None
     return Outcome(response.status, tokens=tokens, prompt_tokens=prompt_tokens, response_id=response_id)

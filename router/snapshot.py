@@ -7,8 +7,7 @@ settings (router.plan). It reads the pools but changes nothing.
 from __future__ import annotations
 
 from router.backends import Backend, Pool, Pools
-from router.content import CONTENT_KINDS
-from router.learn import SpeedModel
+from router.learn import Predictions, SpeedModel
 from router.policy import PoolState
 
 # The duration assumed of a request on a pool that has measured none yet, for the prediction.
@@ -54,10 +53,7 @@ def snapshot(
             engine_queued=queued,
             kv_usage=min(projected, default=None),  # the emptiest backend is where it would go
             ttft=ttft,
-            speed={
-                kind: speeds.predict(best.name, kind, concurrency + 1, gain=gain, fallback=not pool.speculative)
-                for kind in CONTENT_KINDS
-            },
+            speed=Predictions(speeds, best.name, concurrency + 1, gain=gain, fallback=not pool.speculative),
         )
     return states
 

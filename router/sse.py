@@ -56,7 +56,29 @@ class StreamWatch:
             raise EventTooLarge(f"a server-sent event is over the {self._max_event} byte limit")
         if self.saw_content and not _notable(complete):
             return complete
-        return b"".join(self._inspect(event) for event in _events(complete))
+        return self._look_into(complete)
+
+    def _look_into(self, data: bytes) -> bytes:
+        """Complete events, each read until the first content and after it only the events that
+        mention usage or an error: a read that carries a whole answer (hundreds of events, the
+        usage chunk last) is cut at most twice, never split event by event."""
+        out = []
+        start = 0
+        while start < len(data):
+            if self.saw_content:
+                at = _first_notable(data, start)
+                if at < 0:
+                    out.append(data[start:])
+                    break
+                begin = _event_start(data, start, at)
+                if begin > start:
+                    out.append(data[start:begin])  # passed on as it came
+                start = begin
+            boundary = _BOUNDARY.search(data, start)
+            end = boundary.end() if boundary is not None else len(data)
+            out.append(self._inspect(data[start:end]))
+            start = end
+        return b"".join(out)
 
     def flush(self) -> bytes:
         """What remains when the upstream ends: an unterminated last event, passed on as is."""
@@ -109,7 +131,21 @@ def _notable(data: bytes) -> bool:
     return b'"usage"' in data or b'"error"' in data
 
 
+def _first_notable(data: bytes, start: int) -> int:
+    """Where the first mention of usage or an error is in `data` from `start`; -1: none."""
+    found = [at for at in (data.find(b'"usage"', start), data.find(b'"error"', start)) if at >= 0]
+    return min(found, default=-1)
+
+
+def _event_start(data: bytes, start: int, at: int) -> int:
+    """The start of the event that holds `data[at]`, the events from `start` being complete."""
+    lf, crlf = data.rfind(b"\n\n", start, at), data.rfind(b"\r\n\r\n", start, at)
+    return max(start, lf + 2 if lf >= 0 else start, crlf + 4 if crlf >= 0 else start)
+
+
 def _last_boundary(data: bytes) -> int:
+    if data.endswith(b"\n\n"):
+        return len(data)  # most reads end with an event: no search through the bytes
     return max((data.rfind(sep) + len(sep) if sep in data else -1) for sep in _SEPARATORS)
 
 

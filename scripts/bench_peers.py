@@ -11,6 +11,8 @@ format), all on loopback:
     floor          scripts/peers_floor.py: uvicorn and aiohttp relaying, nothing else (the router's floor)
     specroute      this checkout: `specroute serve --config`, both engines in each pool,
                    max_concurrency 1024, queue 4096, every feature on
+    specroute-before  the same, from another executable (--specroute-before: a change's base, to
+                   measure a change side by side)
 
 One closed-loop client (scripts/peers_client.py, aiohttp, its own process), two workloads:
 
@@ -46,7 +48,7 @@ from loopback import free_port, wait_until_up
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
-TARGETS = ("direct", "nginx", "vllm-router", "sglang-router", "floor", "specroute")
+TARGETS = ("direct", "nginx", "vllm-router", "sglang-router", "floor", "specroute", "specroute-before")
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,8 @@ class Stack:
                 port = free_port()
                 self.url = f"http://127.0.0.1:{port}"
                 self.proxy = self._start(self._command(port))
-                wait_until_up(self.url + ("/readyz" if self.target == "specroute" else "/health"), self.proxy, 60)
+                ready = "/readyz" if self.target.startswith("specroute") else "/health"
+                wait_until_up(self.url + ready, self.proxy, 60)
         except BaseException:
             self.__exit__()
             raise
@@ -178,8 +181,9 @@ class Stack:
         if self.target == "floor":
             return [str(cache / "tools/bin/python"), str(SCRIPTS / "peers_floor.py"), "--port", str(port),
                     "--engine", a, "--engine", b]  # fmt: skip
-        if self.target == "specroute":
-            return [self.args.specroute, "serve", "--config", str(self._specroute_conf()), "--host", "127.0.0.1",
+        if self.target.startswith("specroute"):
+            executable = self.args.specroute_before if self.target == "specroute-before" else self.args.specroute
+            return [executable, "serve", "--config", str(self._specroute_conf()), "--host", "127.0.0.1",
                     "--port", str(port), "--log-level", self.args.specroute_log_level]  # fmt: skip
         raise SystemExit(f"unknown target {self.target!r}")
 
@@ -345,7 +349,7 @@ def table(results: list[dict[str, object]], workloads: list[Workload], targets: 
             def col(key: str, runs: list[dict[str, object]] = runs) -> list[object]:
                 return [r[key] for r in runs]
 
-            name = f"**{target}**" if target == "specroute" else target
+            name = f"**{target}**" if target.startswith("specroute") else target
             lines.append(
                 f"| {workload.describe() if i == 0 else ''} | {name} | {_fmt(col('cpu_per_1000_chunks'), '.4f')} "
                 f"| {_fmt(col('ttft_p50_ms'), '.1f', ' ms')} | {_fmt(col('ttft_p99_ms'), '.1f', ' ms')} "
@@ -377,6 +381,7 @@ def _describe_run(args: argparse.Namespace) -> dict[str, object]:
         "vllm-router": _version(output([str(args.cache / "vllm-router/bin/pip"), "show", "vllm-router"])),
         "sglang-router": _version(output([str(args.cache / "sglang-router/bin/pip"), "show", "sglang-router"])),
         "specroute": args.specroute,
+        "specroute_before": args.specroute_before,
         "specroute_log_level": args.specroute_log_level,
         "reps": args.reps,
     }
@@ -414,6 +419,8 @@ def main() -> None:
     parser.add_argument("--sat-ramp", type=float, default=0.0)
     parser.add_argument("--sat-duration", type=float, default=6.0)
     parser.add_argument("--specroute", default=_default_specroute(), help="the specroute executable to measure")
+    parser.add_argument("--specroute-before", default=None,
+                        help="target specroute-before: another specroute (a change's base)")  # fmt: skip
     parser.add_argument("--specroute-log-level", default="warning", help="as in the issue's run: warning")
     parser.add_argument("--specroute-layout", choices=["issue", "single"], default="issue",
                         help="issue: both engines in each of two pools; single: one pool, one engine")  # fmt: skip
@@ -428,6 +435,8 @@ def main() -> None:
         args.sat_streams, args.sat_tokens, args.sat_duration = 8, 64, 1.0
     args.out.mkdir(parents=True, exist_ok=True)
     targets = [t for t in args.targets.split(",") if t]
+    if "specroute-before" in targets and not args.specroute_before:
+        raise SystemExit("target specroute-before needs --specroute-before")
     if unknown := set(targets) - set(TARGETS):
         raise SystemExit(f"unknown targets: {', '.join(sorted(unknown))}")
     workloads = _workloads(args)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -10,6 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from starlette.types import Message
 
 from tests.conftest import Cluster
 
@@ -159,3 +162,38 @@ def test_interactive_work_spills_off_a_dead_speculative_pool(make_cluster: Any) 
             assert response.status_code == 200
             assert response.headers["x-route-pool"] == "team"
             assert response.headers["x-route-reason"] == "spill:spec-down"
+
+
+def test_a_bug_on_the_request_path_is_answered_as_an_openai_error(cluster: Cluster) -> None:
+    """A forwarded request goes to the pipeline past Starlette's middleware (issue 13), so the
+    pipeline itself answers its own bugs: a 500 in OpenAI's shape (Starlette's was plain text),
+    and the exception goes on to the server to be logged. Here the server's `receive` breaks."""
+
+    async def receive() -> Message:
+        raise RuntimeError("the server broke")
+
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"bug-1")],
+        "client": ("127.0.0.1", 40000),
+    }
+    with pytest.raises(RuntimeError, match="the server broke"):
+        asyncio.run(cluster.app(scope, receive, send))
+    start, body = sent
+    assert start["status"] == 500
+    assert (b"content-type", b"application/json") in start["headers"]
+    assert (b"x-request-id", b"bug-1") in start["headers"]
+    error = json.loads(body["body"])["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "internal_error"
