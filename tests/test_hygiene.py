@@ -138,11 +138,14 @@ def test_a_storm_of_cancellations_leaves_nothing_open(make_cluster: Any) -> None
                             left[leave] += 1
                             return
 
-            with contextlib.suppress(TimeoutError, httpx.HTTPError):
-                if leave == "timed":
-                    await asyncio.wait_for(go(), rng.uniform(0.0, 0.08))
-                else:
+            with contextlib.suppress(httpx.HTTPError):
+                if leave != "timed":
                     await go()
+                    return
+                try:
+                    await asyncio.wait_for(go(), rng.uniform(0.0, 0.08))
+                except TimeoutError:
+                    left[leave] += 1  # left at a moment: the engine may or may not have had it
 
         async def storm() -> None:
             async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
@@ -152,8 +155,9 @@ def test_a_storm_of_cancellations_leaves_nothing_open(make_cluster: Any) -> None
         asyncio.run(storm())
         assert cluster.fast.wait_idle() and cluster.team.wait_idle()
         assert left["answer-started"] > 100 and left["mid-stream"] > 100  # the storm did leave mid-way
-        # ...and the engines saw it: each stream left once it had started was closed upstream (a
-        # timed one too, if it had reached an engine and was still running there).
+        # ...and the engines saw it: each stream left once it had started was closed upstream, and
+        # a request left at a moment too, if it had reached an engine and was still running there
+        # (one did, on a quiet machine: an abort more than the streams left mid-way).
         aborted = cluster.fast.aborted + cluster.team.aborted
         assert left["answer-started"] + left["mid-stream"] <= aborted <= sum(left.values())
         for pool, backend in (("fast", "fast-1"), ("team", "team-1")):
