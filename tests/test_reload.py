@@ -194,9 +194,9 @@ def _scrapes_often(router: Router, engine: FakeEngine) -> bool:
 
 
 def _slow_engine_given_up(router: Router, engine: FakeEngine, *parts: Callable[[], Awaitable[Any]]) -> list[bool]:
-    """Whether each part gives up on an engine that answers in 3 s, within 0.4 s (the default
+    """Whether each part gives up on an engine that answers in 1 s, within 0.4 s (the default
     scrape timeout is 0.5 s, the probes' and model lists' 2 s)."""
-    engine.probe_delay = 3.0
+    engine.probe_delay = 1.0
     return [_finishes(router, part, 0.4) for part in parts]
 
 
