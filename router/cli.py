@@ -101,11 +101,15 @@ def _bench_parser(commands: Any) -> None:
         )  # fmt: skip
         parser.add_argument("--out", type=Path, help="directory for report.md, JSON, CSV and plots")
 
-    def mixed_options(parser: argparse.ArgumentParser) -> None:
+    def user_options(parser: argparse.ArgumentParser, *, duration: str) -> None:
+        # The interactive users of the scenarios that run them (router.bench.scenarios.Users).
         parser.add_argument("--interactive", type=int, default=4, help="interactive users (closed loop)")
-        parser.add_argument("--batch", type=int, default=124, help="requests the batch job keeps in flight")
-        parser.add_argument("--duration", type=float, default=300, help="seconds (real time) to keep starting")
+        parser.add_argument("--duration", type=float, default=300, help=duration)
         parser.add_argument("--think", type=float, default=5, help="an interactive user's think time, seconds")
+
+    def mixed_options(parser: argparse.ArgumentParser) -> None:
+        user_options(parser, duration="seconds (real time) to keep starting")
+        parser.add_argument("--batch", type=int, default=124, help="requests the batch job keeps in flight")
         parser.add_argument("--batch-header", action="store_true", help="the batch job sends X-Job-Type: batch")
         parser.add_argument(
             "--together", action="store_true", help="interactive users arrive at the same moment (default: apart)"
@@ -136,11 +140,9 @@ def _bench_parser(commands: Any) -> None:
         "batchjob", help="interactive users alone, then while a Batch API job runs (the router's /v1/batches)"
     )
     common(batchjob, target=True)
-    batchjob.add_argument("--interactive", type=int, default=4, help="interactive users (closed loop)")
+    user_options(batchjob, duration="seconds (real time) of each phase")
     batchjob.add_argument("--lines", type=int, default=10_000, help="requests in the batch")
     batchjob.add_argument("--batch-max-tokens", type=int, default=64, help="answer length of each batch line")
-    batchjob.add_argument("--duration", type=float, default=300, help="seconds (real time) of each phase")
-    batchjob.add_argument("--think", type=float, default=5, help="an interactive user's think time, seconds")
 
     spill = scenarios.add_parser(
         "spill", help="interactive users from few to many on top of a batch job: where does routing put them?"

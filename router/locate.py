@@ -51,7 +51,7 @@ class Locator:
     def configure(self, config: Responses) -> None:
         self.timeout = config.locate_timeout
         self.concurrency = config.locate_concurrency
-        self._miss_ttl = config.locate_miss_seconds
+        self.miss_seconds = config.locate_miss_seconds
 
     async def locate(
         self,
@@ -131,9 +131,9 @@ class Locator:
         return None, absent == len(probes)
 
     def _miss(self, response_id: str, now: float) -> None:
-        if self._miss_ttl <= 0:
+        if self.miss_seconds <= 0:
             return
-        self._misses[response_id] = now + self._miss_ttl
+        self._misses[response_id] = now + self.miss_seconds
         self._misses.move_to_end(response_id)
         while len(self._misses) > _MISSES_MAX or next(iter(self._misses.values())) <= now:
             self._misses.popitem(last=False)

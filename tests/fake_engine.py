@@ -63,6 +63,8 @@ class FakeEngine:
     aborted: int = 0  # requests whose client went away before the end
     healthy: bool = True
     health_checks: int = 0  # GET /health answered
+    probe_delay: float = 0.0  # /health, /metrics and /v1/models answer after this many seconds
+    models_served: int = 0  # GET /v1/models answered
     # Faults, for the reliability tests.
     fail_status: int | None = None  # answer this status instead...
     fail_count: int = -1  # ...this many times (-1: always)
@@ -125,10 +127,12 @@ class FakeEngine:
         return body
 
     async def _health(self, request: Request) -> Response:
+        await asyncio.sleep(self.probe_delay)
         self.health_checks += 1
         return Response(status_code=200 if self.healthy else 503)
 
     async def _metrics(self, request: Request) -> Response:
+        await asyncio.sleep(self.probe_delay)
         if self.metrics is None:
             return Response(status_code=404)
         self.metrics_served += 1
@@ -149,6 +153,8 @@ class FakeEngine:
         return None
 
     async def _models(self, request: Request) -> Response:
+        await asyncio.sleep(self.probe_delay)
+        self.models_served += 1
         if self.models_answer is not None:
             return JSONResponse(self.models_answer)
         return JSONResponse(

@@ -2,17 +2,24 @@
 
 The table below has one row for each leaf of `router.config.Settings`: the value a reload
 changes it to, and what to look at on a running `Router` to see the change — the behaviour of
-the request path's plan (a classification, a routing decision, a key check), or the value the
-part that uses the setting now holds (read from that part, never from the settings). A setting
-added to config.py without a row here fails `test_every_setting_has_a_row`.
+the request path's plan (a classification, a routing decision, a key check); what a fake
+engine behind backend f1 sees of the router (how often it is probed or scraped, when the
+router gives up on it, how often it is asked for its models); what /metrics and /router/status
+show as the injected clock moves; or the value a part publicly holds (never a private
+attribute, never the settings). A setting added to config.py without a row here fails
+`test_every_setting_has_a_row`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import typing
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import trustme
@@ -22,16 +29,29 @@ from router.classify import Classification, RequestFacts
 from router.clock import ManualClock
 from router.config import Settings
 from router.decide import content_kind
+from router.engines import EngineLoad
 from router.errors import RouterError
 from router.policy import PoolState
 from router.runtime import NEEDS_RESTART, Router
-from tests.wait import wait_until
+from router.status import status
+from tests.fake_engine import FakeEngine
+from tests.servers import ServerThread
+from tests.wait import until, wait_until
 
 Observe = Callable[[Router], Any]
 
+
+class WithEngine(NamedTuple):
+    """A row that looks at what the engine behind backend f1 (a fake one) saw of the router."""
+
+    observe: Callable[[Router, FakeEngine], Any]
+
+
+ENGINE = "<engine>"  # the fake engine's address, filled in by the test
+
 BASE: dict[str, Any] = {
     "pools": {
-        "fast": {"speculative": True, "backends": {"f1": {"url": "http://127.0.0.1:1", "max_concurrency": 8}}},
+        "fast": {"speculative": True, "backends": {"f1": {"url": ENGINE, "max_concurrency": 8}}},
         "team": {"speculative": False, "backends": {"t1": {"url": "http://127.0.0.1:2"}}},
     },
     "classify": {"rules": [], "client_memory_seconds": 10},
@@ -87,11 +107,120 @@ def _backend(router: Router) -> Any:
     return router.pools["fast"].backends[0]
 
 
+def _held(router: Router) -> bool:
+    """Whether a new client's lone first request is still held after a second (the default hold
+    is 0.02 s; the row sets 5 s). Only the event loop's time passes here."""
+
+    newcomer = f"newcomer-{uuid.uuid4()}"  # a client the router has not seen
+
+    async def hold() -> bool:
+        router.clients.start(newcomer)
+        settling = asyncio.ensure_future(router.clients.settle(newcomer))
+        done, _ = await asyncio.wait([settling], timeout=1.0)
+        settling.cancel()
+        return not done
+
+    return asyncio.run(hold())
+
+
+def _owner_after(router: Router, seconds: float, *, others: int = 0) -> str | None:
+    """Who owns a stored response `seconds` after it was made, with `others` made after it."""
+    clock = router.clock
+    assert isinstance(clock, ManualClock)
+    router.owners.remember("resp-first", "f1", clock.now())
+    for n in range(others):
+        router.owners.remember(f"resp-{n}", "f1", clock.now())
+    clock.advance(seconds)
+    return router.owners.owner("resp-first", clock.now())
+
+
+def _engine_metrics(router: Router, reading: EngineLoad, *, age: float) -> dict[str, float]:
+    """The fast backend's engine figures in /metrics and /router/status, `age` seconds after one scrape."""
+    clock = router.clock
+    assert isinstance(clock, ManualClock)
+    _backend(router).engine.observe(dataclasses.replace(reading, scraped_at=clock.now()))
+    clock.advance(age)
+    labels = {"pool": "fast", "backend": "f1"}
+    shown = {
+        name: value
+        for name in ("specroute_engine_scrape_stale", "specroute_engine_spec_acceptance_ratio")
+        if (value := router.metrics.registry.get_sample_value(name, labels)) is not None
+    }
+    live = status(router.plan, router.pools, router.speeds, now=clock.now())
+    shown["status_stale"] = live["pools"]["fast"]["backends"]["f1"]["engine"]["stale"]
+    return shown
+
+
+def _reaches(router: Router, run: Callable[[], Awaitable[Any]], condition: Callable[[], bool], seconds: float) -> bool:
+    """Whether `condition` holds within `seconds` while `run` runs."""
+
+    async def watch() -> bool:
+        task = asyncio.ensure_future(run())
+        try:
+            await until(condition, timeout=seconds)
+            return True
+        except AssertionError:
+            return False
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await router.transport.aclose()  # its connections belong to this event loop
+
+    return asyncio.run(watch())
+
+
+def _finishes(router: Router, run: Callable[[], Awaitable[Any]], seconds: float) -> bool:
+    done: list[bool] = []
+
+    async def record() -> None:
+        await run()
+        done.append(True)
+
+    return _reaches(router, record, lambda: bool(done), seconds)
+
+
+def _probes_often(router: Router, engine: FakeEngine) -> bool:
+    """Whether the health checker probes the engine twice within 2 s (every 5 s by default)."""
+    start = engine.health_checks
+    return _reaches(router, router.health.run, lambda: engine.health_checks >= start + 2, 2.0)
+
+
+def _scrapes_often(router: Router, engine: FakeEngine) -> bool:
+    """Whether the scraper reads the engine's /metrics three times within 0.8 s (every second by default)."""
+    engine.metrics = ""
+    start = engine.metrics_served
+    return _reaches(router, router.scraper.run, lambda: engine.metrics_served >= start + 3, 0.8)
+
+
+def _slow_engine_given_up(router: Router, engine: FakeEngine, *parts: Callable[[], Awaitable[Any]]) -> list[bool]:
+    """Whether each part gives up on an engine that answers in 1 s, within 0.4 s (the default
+    scrape timeout is 0.5 s, the probes' and model lists' 2 s)."""
+    engine.probe_delay = 1.0
+    return [_finishes(router, part, 0.4) for part in parts]
+
+
+def _model_lists_fetched(router: Router, engine: FakeEngine) -> int:
+    """How many times the engine is asked for its models when clients ask 2 s apart (cached 5 s by default)."""
+    clock = router.clock
+    assert isinstance(clock, ManualClock)
+    start = engine.models_served
+
+    async def twice() -> None:
+        await router.catalog.models()
+        clock.advance(2)
+        await router.catalog.models()
+        await router.transport.aclose()
+
+    asyncio.run(twice())
+    return engine.models_served - start
+
+
 IDLE = PoolState(speculative=True, concurrency=0)
 PAST_CROSSOVER = PoolState(speculative=True, concurrency=10)
 
 # setting -> (the value a reload sets, what shows it)
-RELOADABLE: dict[str, tuple[Any, Observe]] = {
+RELOADABLE: dict[str, tuple[Any, Observe | WithEngine]] = {
     "pools.*.speculative": (False, lambda r: r.pools["fast"].speculative),
     "pools.*.backends.*.url": ("http://127.0.0.1:3", lambda r: _backend(r).url),
     "pools.*.backends.*.api_key_env": ("SPECROUTE_TEST_ENGINE_KEY", lambda r: _backend(r).auth_headers),
@@ -107,7 +236,7 @@ RELOADABLE: dict[str, tuple[Any, Observe]] = {
     ),
     "classify.batch_inflight_threshold": (2, lambda r: _classify(r, client_load=2).job),
     "classify.client_memory_seconds": (5, _remembered),
-    "classify.burst_hold_seconds": (0.5, lambda r: r.clients._burst_hold),
+    "classify.burst_hold_seconds": (5.0, _held),
     "classify.code_hints": (["frobnicate"], lambda r: content_kind({"prompt": "frobnicate it"}, r.plan.code_hints)),
     "routing.interactive_pool": ("team", lambda r: _route(r, spec=IDLE, std=IDLE)),
     "routing.batch_pool": ("fast", lambda r: _route(r, "batch", spec=IDLE, std=IDLE)),
@@ -123,17 +252,20 @@ RELOADABLE: dict[str, tuple[Any, Observe]] = {
     "timeouts.read": (0.3, lambda r: r.plan.timeouts.read),
     "timeouts.idle": (2.0, lambda r: r.plan.timeouts.idle),
     "timeouts.client_body": (2.0, lambda r: r.plan.client_body_seconds),
-    "health.interval": (1.0, lambda r: r.health._config.interval),
-    "health.timeout": (1.0, lambda r: (r.health._config.timeout, r.catalog._timeout)),
+    "health.interval": (0.2, WithEngine(_probes_often)),
+    "health.timeout": (
+        0.1,
+        WithEngine(lambda r, e: _slow_engine_given_up(r, e, r.health.check_all, r.catalog.models)),
+    ),
     "health.unhealthy_after": (5, lambda r: _backend(r).outlier.config.unhealthy_after),
     "health.healthy_after": (5, lambda r: _backend(r).outlier.config.healthy_after),
     "health.eject_after": (1, lambda r: _backend(r).outlier.request_failed(100.0)),
     "health.ejection_seconds": (1.0, lambda r: _backend(r).outlier.config.ejection_seconds),
     "health.max_ejection_seconds": (20.0, lambda r: _backend(r).outlier.config.max_ejection_seconds),
-    "scrape.interval": (0.5, lambda r: r.scraper._config.interval),
-    "scrape.timeout": (0.1, lambda r: r.scraper._config.timeout),
-    "scrape.stale_after": (1.0, lambda r: (r.plan.stale_after, r.scraper._config.stale_after, r.metrics._live.config)),
-    "scrape.acceptance_max_age": (10.0, lambda r: (r.plan.acceptance_max_age, r.metrics._live.config)),
+    "scrape.interval": (0.05, WithEngine(_scrapes_often)),
+    "scrape.timeout": (0.05, WithEngine(lambda r, e: _slow_engine_given_up(r, e, r.scraper.scrape_all))),
+    "scrape.stale_after": (1.0, lambda r: _engine_metrics(r, EngineLoad(running=1), age=2.0)),
+    "scrape.acceptance_max_age": (10.0, lambda r: _engine_metrics(r, EngineLoad(acceptance=0.7), age=20.0)),
     "learn.min_samples": (2, lambda r: r.speeds.trust.min_samples),
     "learn.max_interval": (0.5, lambda r: r.speeds.trust.max_interval),
     "learn.half_life": (60.0, lambda r: r.speeds.trust.half_life),
@@ -170,13 +302,13 @@ RELOADABLE: dict[str, tuple[Any, Observe]] = {
     "batch.max_attempts": (2, lambda r: r.batch.max_attempts),
     "batch.retry_backoff": (2.0, lambda r: r.batch.retry_backoff),
     "batch.upload_timeout": (2.0, lambda r: r.batch.upload_timeout),
-    "responses.affinity_seconds": (1.0, lambda r: r.owners._ttl),
-    "responses.affinity_max": (10, lambda r: r.owners._max),
+    "responses.affinity_seconds": (1.0, lambda r: _owner_after(r, 2.0)),
+    "responses.affinity_max": (10, lambda r: _owner_after(r, 0.0, others=10)),
     "responses.locate_timeout": (0.25, lambda r: r.locator.timeout),
     "responses.locate_concurrency": (3, lambda r: r.locator.concurrency),
-    "responses.locate_miss_seconds": (2.0, lambda r: r.locator._miss_ttl),
+    "responses.locate_miss_seconds": (2.0, lambda r: r.locator.miss_seconds),
     "max_body_bytes": (10, lambda r: r.plan.max_body_bytes),
-    "models_cache_seconds": (1.0, lambda r: r.catalog._ttl),
+    "models_cache_seconds": (1.0, WithEngine(_model_lists_fetched)),
     "forward_client_authorization": (True, lambda r: r.plan.forward_authorization),
 }
 
@@ -227,6 +359,20 @@ def _with(key: str, value: Any) -> dict[str, Any]:
     return data
 
 
+def _engine_at(data: Any, url: str) -> Any:
+    """`data` with the fake engine's address in place of ENGINE."""
+    if isinstance(data, dict):
+        return {key: _engine_at(value, url) for key, value in data.items()}
+    return url if data == ENGINE else data
+
+
+@pytest.fixture
+def engine() -> Iterator[tuple[FakeEngine, str]]:
+    fake = FakeEngine()
+    with ServerThread(fake.app()) as server:
+        yield fake, server.url
+
+
 @pytest.fixture
 def pem(tmp_path: Path) -> dict[str, str]:
     ca = trustme.CA()
@@ -240,21 +386,23 @@ def pem(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("key", sorted(RELOADABLE))
 def test_a_reload_reaches_the_part_that_uses_the_setting(
-    key: str, pem: dict[str, str], monkeypatch: pytest.MonkeyPatch
+    key: str, pem: dict[str, str], engine: tuple[FakeEngine, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SPECROUTE_TEST_ENGINE_KEY", "engine-key")
     monkeypatch.setenv("SPECROUTE_TEST_CLIENT_KEYS", "client-key")
     monkeypatch.setenv("SPECROUTE_TEST_ADMIN_KEY", "admin-key")
-    value, observe = RELOADABLE[key]
+    fake, url = engine
+    value, row = RELOADABLE[key]
+    observe: Observe = (lambda r: row.observe(r, fake)) if isinstance(row, WithEngine) else row
     value = pem.get(value, value) if isinstance(value, str) else value
     base = {
         **BASE,
         **{section: {k: pem.get(v, v) for k, v in extra.items()} for section, extra in BASE_FOR.get(key, {}).items()},
     }
     changed = {**_with(key, value), **{s: {**base[s], **_with(key, value).get(s, {})} for s in BASE_FOR.get(key, {})}}
-    router = Router(Settings.model_validate(base), clock=ManualClock())
+    router = Router(Settings.model_validate(_engine_at(base, url)), clock=ManualClock())
     before = observe(router)
-    answer = router.apply(Settings.model_validate(changed))
+    answer = router.apply(Settings.model_validate(_engine_at(changed, url)))
     name = key.replace("pools.*.backends.*", "pools.fast.backends.f1").replace("pools.*", "pools.fast")
     assert [changed for changed in answer["changed"] if changed == name or changed.startswith(name + ".")]
     assert answer["needs_restart"] == []
@@ -266,8 +414,8 @@ def test_a_reload_names_the_settings_that_need_a_restart(key: str) -> None:
     extra = BASE_FOR.get(key, {})
     base = {**BASE, **extra}
     changed = {**_with(key, RESTART[key]), **{s: {**base[s], **_with(key, RESTART[key]).get(s, {})} for s in extra}}
-    router = Router(Settings.model_validate(base), clock=ManualClock())
-    answer = router.apply(Settings.model_validate(changed))
+    router = Router(Settings.model_validate(_engine_at(base, "http://127.0.0.1:1")), clock=ManualClock())
+    answer = router.apply(Settings.model_validate(_engine_at(changed, "http://127.0.0.1:1")))
     assert answer["needs_restart"] == [key]
 
 

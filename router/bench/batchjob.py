@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from router.bench.load import Job, Load, Record, Target
-from router.bench.scenarios import Progress, Summary
+from router.bench.load import Load, Record, Target
+from router.bench.scenarios import Progress, Summary, Users
 from router.content import ContentKind
 from router.prompts import prompts
 from router.quantiles import percentile
@@ -86,13 +86,9 @@ def _input(target: Target, lines: int, *, kind: ContentKind, max_tokens: int) ->
 
 async def batch_job(
     target: Target,
+    users: Users,
     *,
-    interactive_users: int = 4,
     lines: int = 10_000,
-    duration: float = 300.0,
-    think_time: float = 5.0,
-    kind: ContentKind = "prose",
-    max_tokens: int = 512,
     batch_max_tokens: int = 64,
     progress: Progress | None = None,
 ) -> BatchJobResult:
@@ -100,32 +96,24 @@ async def batch_job(
     root = target.base_url.rstrip("/").removesuffix("/v1")
     headers = {"authorization": f"Bearer {target.api_key}"}
 
-    async def users(load: Load) -> list[Record]:
+    async def phase(load: Load) -> list[Record]:
         load.records = []
         load.restart_clock()
-
-        async def user(number: int) -> None:
-            job = Job(kind=kind, max_tokens=max_tokens, api_key=f"bench-user-{number}", label="interactive")
-            await asyncio.sleep(number * think_time / max(1, interactive_users) / scale)
-            while load.now() < duration:
-                await load.request(job)
-                await asyncio.sleep(think_time / scale)
-
-        await asyncio.gather(*(user(i) for i in range(interactive_users)))
+        await users.run(load, named_by="api_key")
         return list(load.records)
 
-    load = Load(target, max_connections=interactive_users + 8)
+    load = Load(target, max_connections=users.count + 8)
     async with httpx.AsyncClient(base_url=target.base_url.rstrip("/"), headers=headers, timeout=120) as api:
         try:
             if progress:
                 progress(0.0)
-            alone = await users(load)
+            alone = await phase(load)
             if progress:
                 progress(0.25)
             uploaded = await api.post(
                 "/files",
                 data={"purpose": "batch"},
-                files={"file": ("bench.jsonl", _input(target, lines, kind=kind, max_tokens=batch_max_tokens))},
+                files={"file": ("bench.jsonl", _input(target, lines, kind=users.kind, max_tokens=batch_max_tokens))},
             )
             uploaded.raise_for_status()
             created = await api.post(
@@ -142,7 +130,7 @@ async def batch_job(
             samples: list[dict[str, float]] = []
             tokens_before = await _pool_tokens(api, root)
             sampler = asyncio.create_task(_sample(api, root, batch_id, samples, started, scale, progress, lines))
-            beside = await users(load)
+            beside = await phase(load)
             batch = await sampler
             seconds = (time.perf_counter() - started) * scale
             tokens = await _pool_tokens(api, root) - tokens_before

@@ -19,7 +19,7 @@ from router.bench.batchjob import batch_job
 from router.bench.batchjob import markdown as batchjob_markdown
 from router.bench.compare import run_on_layout
 from router.bench.load import Target
-from router.bench.scenarios import MixedResult, Summary, SweepRound, mixed, sweep
+from router.bench.scenarios import MixedResult, Summary, SweepRound, Users, mixed, sweep
 from router.demo import LAYOUTS, LayoutName
 from router.sim.profile import load_profile
 
@@ -90,18 +90,19 @@ def _sweep(args: argparse.Namespace, out: Path) -> int:
     )
 
 
+def _users(args: argparse.Namespace, *, count: int) -> Users:
+    """The interactive users of a mixed or batch-job run, from their common arguments."""
+    return Users(count=count, duration=args.duration, think_time=args.think, kind=args.kind, max_tokens=args.max_tokens)
+
+
 def _mixed_scenario(
     args: argparse.Namespace, *, interactive: int, batch: int, progress: Callable[[float], None] | None = None
 ) -> Callable[[Target], Coroutine[Any, Any, MixedResult]]:
     def scenario(target: Target) -> Coroutine[Any, Any, MixedResult]:
         return mixed(
             target,
-            interactive_users=interactive,
+            _users(args, count=interactive),
             batch_in_flight=batch,
-            duration=args.duration,
-            think_time=args.think,
-            kind=args.kind,
-            max_tokens=args.max_tokens,
             batch_header=args.batch_header,
             together=args.together,
             progress=progress,
@@ -129,12 +130,8 @@ def _batchjob(args: argparse.Namespace, out: Path) -> int:
         f"batchjob {args.base_url}",
         lambda progress: batch_job(
             target,
-            interactive_users=args.interactive,
+            _users(args, count=args.interactive),
             lines=args.lines,
-            duration=args.duration,
-            think_time=args.think,
-            kind=args.kind,
-            max_tokens=args.max_tokens,
             batch_max_tokens=args.batch_max_tokens,
             progress=progress,
         ),

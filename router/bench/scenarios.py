@@ -10,7 +10,7 @@ import asyncio
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 from router.bench.load import Job, Load, Record, Target
 from router.content import ContentKind
@@ -92,6 +92,42 @@ async def sweep(
 
 
 @dataclass(frozen=True, slots=True)
+class Users:
+    """Interactive users in a closed loop, as the mixed and batch-job scenarios run them: how
+    many, how long (real time) they keep starting requests, how long each thinks between its
+    answers, and what they ask for."""
+
+    count: int = 4
+    duration: float = 300.0
+    think_time: float = 5.0
+    kind: ContentKind = "prose"
+    max_tokens: int = 512
+
+    async def run(self, load: Load, *, named_by: Literal["user", "api_key"], together: bool = False) -> None:
+        """Each user asks, thinks and asks again until `duration`. Users start a little apart, as
+        people do, unless `together`. `named_by`: how user n tells itself apart, by the `user`
+        field or by its own API key, either being `bench-user-<n>`."""
+        scale = load.target.time_scale
+
+        async def user(number: int) -> None:
+            name = f"bench-user-{number}"
+            job = Job(
+                kind=self.kind,
+                max_tokens=self.max_tokens,
+                user=name if named_by == "user" else None,
+                api_key=name if named_by == "api_key" else None,
+                label="interactive",
+            )
+            if not together:
+                await asyncio.sleep(number * self.think_time / max(1, self.count) / scale)
+            while load.now() < self.duration:
+                await load.request(job)
+                await asyncio.sleep(self.think_time / scale)
+
+        await asyncio.gather(*(user(i) for i in range(self.count)))
+
+
+@dataclass(frozen=True, slots=True)
 class MixedResult:
     interactive: Summary
     batch: Summary
@@ -100,13 +136,9 @@ class MixedResult:
 
 async def mixed(
     target: Target,
+    users: Users,
     *,
-    interactive_users: int = 4,
     batch_in_flight: int = 124,
-    duration: float = 300.0,
-    think_time: float = 5.0,
-    kind: ContentKind = "prose",
-    max_tokens: int = 512,
     batch_header: bool = False,
     together: bool = False,
     progress: Progress | None = None,
@@ -119,25 +151,17 @@ async def mixed(
     behaviour. `batch_header` adds `X-Job-Type: batch` to compare with a declared job.
     Users start a little apart, as people do; with `together`, all at the same moment (a class
     starting a lab, a demo), which is the hardest start for a router that has not seen load yet.
-    Requests start until `duration` (real time) has passed; the run ends when the last finishes.
+    Requests start until `users.duration` (real time) has passed; the run ends when the last finishes.
     """
-    load = Load(target, max_connections=interactive_users + batch_in_flight + 8)
-    scale = target.time_scale
+    load = Load(target, max_connections=users.count + batch_in_flight + 8)
+    duration = users.duration
     batch = Job(
-        kind=kind,
-        max_tokens=max_tokens,
+        kind=users.kind,
+        max_tokens=users.max_tokens,
         api_key="bench-batch-job",
         headers={"X-Job-Type": "batch"} if batch_header else {},
         label="batch",
     )
-
-    async def user(number: int) -> None:
-        job = Job(kind=kind, max_tokens=max_tokens, user=f"bench-user-{number}", label="interactive")
-        if not together:
-            await asyncio.sleep(number * think_time / max(1, interactive_users) / scale)
-        while load.now() < duration:
-            await load.request(job)
-            await asyncio.sleep(think_time / scale)
 
     async def batch_worker() -> None:
         while load.now() < duration:
@@ -151,7 +175,8 @@ async def mixed(
     ticker = asyncio.create_task(report_progress())
     try:
         await asyncio.gather(
-            *(user(i) for i in range(interactive_users)), *(batch_worker() for _ in range(batch_in_flight))
+            users.run(load, named_by="user", together=together),
+            *(batch_worker() for _ in range(batch_in_flight)),
         )
     finally:
         ticker.cancel()

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from router.sim.outputs import Logprobs, ToolCall, json_answer, pieces
 from router.sim.protocol import Params
@@ -24,6 +24,15 @@ from router.sim.runner import EngineRunner, Generation, Update
 from router.sim.text import tokens as text_tokens
 
 _NO_LIMIT = 1 << 62
+
+# The fields vLLM sends empty after a choice's finish reason, in its order: by rendering (a
+# stream's chunk or a whole answer) and by endpoint (chat or not).
+_EMPTY_FIELDS: dict[tuple[str, bool], tuple[str, ...]] = {
+    ("stream", False): ("stop_reason", "prompt_token_ids", "token_ids"),
+    ("stream", True): ("stop_reason", "token_ids"),
+    ("whole", False): ("stop_reason", "token_ids", "prompt_logprobs", "prompt_token_ids", "routed_experts"),
+    ("whole", True): ("stop_reason", "token_ids", "routed_experts"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,38 +179,12 @@ class Reply:
         return {"usage": usage}
 
     def _stream_choice(self, choice: _Choice, update: Update) -> dict[str, Any]:
-        """One choice's part of a chunk, with vLLM's fields in vLLM's order."""
+        """One choice's part of a chunk."""
         taken = choice.take(update.tokens)
         choice.delivered += update.tokens
         finish_reason = choice.finish_reason() if update.finished else None
-        if not self.chat:
-            return {
-                "index": choice.index,
-                "text": "".join(taken),
-                "logprobs": self._completion_logprobs(choice, taken),
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-                "prompt_token_ids": None,
-                "token_ids": None,
-            }
-        delta = self._delta(choice, taken)
-        logprobs = self._chat_logprobs(choice, taken)
-        if finish_reason is None:
-            return {
-                "index": choice.index,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": None,
-                "token_ids": None,
-            }
-        return {
-            "index": choice.index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-            "stop_reason": None,
-            "token_ids": None,
-        }
+        said = {"delta": self._delta(choice, taken)} if self.chat else {"text": "".join(taken)}
+        return self._choice(choice, taken, said, finish_reason, "stream")
 
     def _delta(self, choice: _Choice, taken: list[str]) -> dict[str, Any]:
         tool = choice.plan.tool
@@ -250,18 +233,7 @@ class Reply:
     def _whole_choice(self, choice: _Choice, taken: list[str]) -> dict[str, Any]:
         finish_reason = choice.finish_reason()
         if not self.chat:
-            return {
-                "index": choice.index,
-                "text": "".join(taken),
-                "logprobs": self._completion_logprobs(choice, taken),
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-                "token_ids": None,
-                "prompt_logprobs": None,
-                "prompt_token_ids": None,
-                "routed_experts": None,
-            }
-        logprobs = self._chat_logprobs(choice, taken)
+            return self._choice(choice, taken, {"text": "".join(taken)}, finish_reason, "whole")
         message: dict[str, Any] = {"role": "assistant", "content": "".join(taken)}
         tool = choice.plan.tool
         if tool is not None and finish_reason != "length":
@@ -273,14 +245,30 @@ class Reply:
         elif tool is not None:
             message["content"] = "".join(taken[1:])  # a cut-off call does not parse: its text is the content
         message.update(refusal=None, annotations=None, audio=None, function_call=None, reasoning=None)
+        return self._choice(choice, taken, {"message": message}, finish_reason, "whole")
+
+    # -- one choice, as each rendering shows it ---------------------------------------------
+
+    def _choice(
+        self,
+        choice: _Choice,
+        taken: list[str],
+        said: dict[str, Any],
+        finish_reason: str | None,
+        rendering: Literal["stream", "whole"],
+    ) -> dict[str, Any]:
+        """What a choice says (its text, delta or message), its log-probabilities of `taken` and
+        its finish reason, then the fields vLLM sends empty in this rendering, in vLLM's order."""
+        logprobs = self._chat_logprobs(choice, taken) if self.chat else self._completion_logprobs(choice, taken)
+        empty = _EMPTY_FIELDS[rendering, self.chat]
+        if rendering == "stream" and self.chat and finish_reason is None:
+            empty = tuple(name for name in empty if name != "stop_reason")  # only the last chunk has one
         return {
             "index": choice.index,
-            "message": message,
+            **said,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
-            "stop_reason": None,
-            "token_ids": None,
-            "routed_experts": None,
+            **dict.fromkeys(empty),
         }
 
     # -- counts and log-probabilities -------------------------------------------------------
