@@ -186,14 +186,19 @@ class Pool:
                     retry_after=self._retry_after(),
                     code="pool_unavailable",
                 )
-        if self.queued() >= self.queue_size:
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), only)
+        queue = self._waiters[job]
+        queue.append(waiter)
+        # Those ahead may all wait for a full backend of their own: a slot none of them can take
+        # is this one's now, not at the next release.
+        self.wake()
+        if not waiter.future.done() and self.queued() > self.queue_size:
+            queue.remove(waiter)
             raise NoBackendAvailable(
                 f"pool {self.name!r} is full and its queue holds {self.queue_size} requests",
                 retry_after=self._retry_after(),
                 code="queue_full",
             )
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), only)
-        self._waiters[job].append(waiter)
         try:
             async with asyncio.timeout(self.queue_timeout):
                 return await waiter.future
@@ -224,31 +229,31 @@ class Pool:
 
     def wake(self) -> None:
         """Hand free slots to queued requests (after a release, or a backend turning healthy or
-        being drained or resumed); with no backend left to wait for, fail them at once. Requests
+        being drained or resumed); fail at once those with no backend left to wait for. Requests
         go in order, interactive first; one pinned to a backend that is full lets those behind
-        it take another."""
+        it take another. Once a request that may go anywhere finds no slot, nobody behind it
+        gets one, but the rest of the queue is still failed or dropped as it must be."""
+        accepting = {b.name for b in self.backends if b.accepting}
+        slots = True
         for queue in self._waiters.values():
-            pinned_full: set[str] = set()  # backends a pinned request found full: none behind gets them
+            full: set[str] = set()  # backends a pinned request found full: none behind gets them
             at = 0
             while at < len(queue):
                 waiter = queue[at]
                 if waiter.future.done():
                     del queue[at]  # cancelled while queued; its request has gone
-                elif waiter.only in pinned_full:
-                    at += 1
-                elif not self.accepting:
+                elif not accepting or (waiter.only is not None and waiter.only not in accepting):
                     del queue[at]
-                    waiter.future.set_exception(self._unavailable())
-                elif waiter.only is not None and not any(b.name == waiter.only and b.accepting for b in self.backends):
-                    del queue[at]
-                    waiter.future.set_exception(self._unavailable_owner(waiter.only))
-                elif (backend := self._take(only=waiter.only)) is not None:
+                    failure = self._unavailable() if waiter.only is None else self._unavailable_owner(waiter.only)
+                    waiter.future.set_exception(failure)
+                elif slots and waiter.only not in full and (backend := self._take(only=waiter.only)) is not None:
                     del queue[at]
                     waiter.future.set_result(backend)
-                elif waiter.only is None:
-                    return  # no slot anywhere: nobody behind gets one either
                 else:
-                    pinned_full.add(waiter.only)
+                    if waiter.only is None:
+                        slots = False  # no slot anywhere
+                    else:
+                        full.add(waiter.only)
                     at += 1
 
     def has_other(self, exclude: frozenset[str]) -> bool:

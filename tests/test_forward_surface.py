@@ -290,8 +290,9 @@ def test_after_the_affinity_time_the_owner_is_found_again_by_asking(two_backends
 def test_a_pinned_request_on_a_full_backend_waits_for_it_and_others_flow_past(make_cluster: MakeCluster) -> None:
     # The owner is busy and its pool has another backend free: the request waits for the owner,
     # never sent to the other, while requests that may go anywhere take the other at once.
+    # Health checks far apart: their wake-up of the queue must not be what lets the others past.
     pools = {"fast": {"backends": {"fast-1": {"max_concurrency": 1}, "fast-2": {"max_concurrency": 1}}}}
-    with make_cluster(fast_backends=2, pools=pools, routing={"mode": "static"}) as cluster:
+    with make_cluster(fast_backends=2, pools=pools, routing={"mode": "static"}, health={"interval": 60.0}) as cluster:
         cluster.fast.name, cluster.more_fast[0].name = "a", "b"
         client = _client(cluster)
         made = _on_fast_2(cluster, lambda: client.responses.create(model=MODEL, input="hi"))
@@ -361,6 +362,50 @@ def test_a_pinned_request_whose_backend_stays_full_is_turned_away_like_any_other
             assert held.result().status_code == 200
         assert cluster.fast.requests == []
         assert client.responses.retrieve(made.id).id == made.id
+
+
+def test_a_queued_pinned_request_is_turned_away_at_once_when_its_backend_is_drained(
+    make_cluster: MakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both backends busy; queued: one request that may go anywhere, then one pinned to fast-2.
+    # Draining fast-2 leaves the pinned one nothing to wait for, though the one ahead still waits.
+    monkeypatch.setenv("SPECROUTE_TEST_ADMIN_KEY", "admin-secret")
+    pools = {
+        "fast": {
+            "queue_timeout": 20.0,
+            "backends": {"fast-1": {"max_concurrency": 1}, "fast-2": {"max_concurrency": 1}},
+        }
+    }
+    settings = {"pools": pools, "routing": {"mode": "static"}, "health": {"interval": 60.0}}
+    with make_cluster(fast_backends=2, auth={"admin_key_env": "SPECROUTE_TEST_ADMIN_KEY"}, **settings) as cluster:
+        client = _client(cluster)
+        made = _on_fast_2(cluster, lambda: client.responses.create(model=MODEL, input="hi"))
+        gate = threading.Event()
+        a, b = cluster.fast, cluster.more_fast[0]
+        a.gate = b.gate = gate
+        pool = cluster.app.state.router.pools["fast"]
+        url, completion = cluster.base_url + "/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        with ThreadPoolExecutor(4) as executor:
+            held = [executor.submit(httpx.post, url, json=completion, timeout=30) for _ in range(2)]
+            wait_until(lambda: a.open == 1 and b.open == 1, message="a request held on each backend")
+            anywhere = executor.submit(httpx.post, url, json=completion, timeout=30)
+            wait_until(lambda: pool.queued() == 1, message="a request queued that may go anywhere")
+            pinned = executor.submit(httpx.get, cluster.base_url + f"/responses/{made.id}", timeout=30)
+            wait_until(lambda: pool.queued() == 2, message="the pinned request queued behind it")
+            drained = httpx.post(
+                f"{cluster.router.url}/admin/drain",
+                json={"backend": "fast-2"},
+                headers={"authorization": "Bearer admin-secret"},
+                timeout=5,
+            )
+            assert drained.status_code == 200
+            answer = pinned.result(timeout=10)  # not the 20 s queue timeout
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "pool_unavailable"
+            assert not anywhere.done() and pool.queued() == 1
+            gate.set()
+            assert [each.result().status_code for each in held] == [200, 200]
+            assert anywhere.result().status_code == 200
+        assert pool.queued() == 0
 
 
 # -- Retry-After from what the pool measured ------------------------------------------------------
