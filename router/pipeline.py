@@ -140,6 +140,10 @@ class Pipeline:
                 # drops what is sent to a client that left, so the relay would run to its end.
                 raise ClientGone
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                # The answer is complete, and uvicorn's `receive` says "disconnect" from now on:
+                # closing the upstream response after it is not the client leaving.
+                serving.active = False
 
         self._serving.add(serving)
         try:
