@@ -307,8 +307,10 @@ class SpeedModel:
     def predict(
         self, backend: str, kind: ContentKind, concurrency: int, *, gain: float | None = None, fallback: bool = False
     ) -> Estimate | None:
-        """Predicted per-user speed from trusted points: long answers' (with the prior, if the
-        backend's pool has one for this content) if there are any, else short ones'. With
+        """Predicted per-user speed: from long answers' trusted points, shrunk toward the pool's
+        prior for this content if it has one; before any is trusted, the prior alone where there
+        is one (a sweep's long answers describe the next long answer better than short answers'
+        speeds, mostly the noise of their first steps), else short answers' trusted points. With
         `fallback`, the other content kind's curves stand in: without speculation the content
         barely matters, so a standard backend that has only served prose still predicts well
         for code."""

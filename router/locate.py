@@ -43,7 +43,9 @@ Found = Literal["found", "missed", "cached_miss", "busy", "skipped"]
 class Locator:
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
-        self._misses: OrderedDict[str, float] = OrderedDict()  # id -> until when it is a known miss
+        # (id, credentials) -> until when it is a known miss: with the client's Authorization
+        # forwarded, an engine may answer 404 to one tenant for an id another tenant holds.
+        self._misses: OrderedDict[tuple[str, str], float] = OrderedDict()
         # (id, credentials) -> the search under way: (the owner or None, whether all said 404)
         self._searching: dict[tuple[str, str], asyncio.Future[tuple[str | None, bool]]] = {}
         self.configure(Responses())
@@ -67,12 +69,12 @@ class Locator:
         share a search only with those of the same `credentials` (the client's Authorization)."""
         if self.timeout <= 0 or not backends or _SEARCHABLE.fullmatch(response_id) is None:
             return None, "skipped"
-        until = self._misses.get(response_id)
+        key = (response_id, credentials)
+        until = self._misses.get(key)
         if until is not None:
             if until > now:
                 return None, "cached_miss"
-            del self._misses[response_id]
-        key = (response_id, credentials)
+            del self._misses[key]
         search = self._searching.get(key)
         if search is None:
             if len(self._searching) >= self.concurrency:
@@ -89,7 +91,7 @@ class Locator:
         if not search.cancelled() and search.exception() is None:
             owner, nowhere = search.result()
             if owner is None and nowhere:
-                self._miss(key[0], now)
+                self._miss(key, now)
 
     async def _search(
         self, response_id: str, backends: Sequence[Backend], headers: Callable[[Backend], list[tuple[str, str]]]
@@ -130,10 +132,10 @@ class Locator:
             await asyncio.gather(*probes, return_exceptions=True)
         return None, absent == len(probes)
 
-    def _miss(self, response_id: str, now: float) -> None:
+    def _miss(self, key: tuple[str, str], now: float) -> None:
         if self.miss_seconds <= 0:
             return
-        self._misses[response_id] = now + self.miss_seconds
-        self._misses.move_to_end(response_id)
+        self._misses[key] = now + self.miss_seconds
+        self._misses.move_to_end(key)
         while len(self._misses) > _MISSES_MAX or next(iter(self._misses.values())) <= now:
             self._misses.popitem(last=False)

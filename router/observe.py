@@ -50,6 +50,7 @@ class Observer:
         self._decisions = Children(metrics.decisions)
         self._queue_wait = Children(metrics.queue_wait)
         self._upstream_errors = Children(metrics.upstream_errors)
+        self._locates = Children(metrics.locates)
         self._retries = Children(metrics.retries)
         self._ttft = Children(metrics.ttft)
         self._requests = Children(metrics.requests)
@@ -68,7 +69,7 @@ class Observer:
         self._upstream_errors(backend.pool, backend.name, kind).inc()
 
     def located(self, result: str) -> None:
-        self._metrics.locates.labels(result).inc()
+        self._locates(result).inc()
 
     def retried(self, backend: Backend, reason: str) -> None:
         self._retries(backend.pool, backend.name, reason).inc()

@@ -229,7 +229,7 @@ class Queries(Generic[Db]):
         if purpose is not None:
             sql += " AND purpose = :purpose"
         if after is not None:
-            sql += f" AND seq {compare} COALESCE((SELECT seq FROM {{files}} WHERE id = :after), -1)"
+            sql += f" AND seq {compare} COALESCE((SELECT seq FROM {{files}} WHERE id = :after AND owner = :owner), -1)"
         rows = self._read(
             f"{sql} ORDER BY seq {order} LIMIT :limit", owner=owner, purpose=purpose, after=after, limit=limit + 1
         )
