@@ -182,6 +182,26 @@ def test_a_malformed_file_is_400_naming_the_line(keyed: Cluster, content: bytes,
     assert not list(client.files.list())  # nothing kept
 
 
+def test_a_list_cursor_naming_another_keys_file_says_nothing_of_it(keyed: Cluster) -> None:
+    # Bob's page after Alice's file id is the page after an id that does not exist: a cursor
+    # that moved would tell Bob that the id exists, and when it was made.
+    alice = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
+    bob = openai.OpenAI(base_url=keyed.base_url, api_key="bob-key", max_retries=0)
+    first = bob.files.create(file=("b1.jsonl", batch_input(1)), purpose="batch")
+    hers = alice.files.create(file=("a.jsonl", batch_input(1)), purpose="batch")
+    second = bob.files.create(file=("b2.jsonl", batch_input(1)), purpose="batch")
+
+    def page(after: str) -> list[str]:
+        answer = httpx.get(
+            keyed.base_url + "/files", params={"after": after}, headers={"authorization": "Bearer bob-key"}
+        )
+        assert answer.status_code == 200
+        return [each["id"] for each in answer.json()["data"]]
+
+    assert page(second.id) == [first.id]  # newest first: the cursor works on Bob's own
+    assert page(hers.id) == page("file-nobody-made")
+
+
 def test_another_keys_files_and_batches_are_404(keyed: Cluster) -> None:
     alice = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
     bob = openai.OpenAI(base_url=keyed.base_url, api_key="bob-key", max_retries=0)
