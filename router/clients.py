@@ -50,14 +50,14 @@ class Clients:
         self._burst_hold = config.burst_hold_seconds
         self._threshold = config.batch_inflight_threshold
 
-    async def settle(self, client: str) -> None:
-        """Hold the first requests of a client not seen lately, for at most `burst_hold` seconds or
-        until more than `threshold` of them are here: a batch job's first burst then shows itself
-        before any of it is classified, and an interactive user's first request waits that long."""
+    async def settle(self, client: str, *, new: bool) -> None:
+        """Hold the first requests of a client not seen lately (`new`, from `start`), for at most
+        `burst_hold` seconds or until more than `threshold` of them are here: a batch job's first
+        burst then shows itself before any of it is classified, and an interactive user's first
+        request waits that long (its later ones, not at all)."""
         hold = self._holds.get(client)
         if hold is None:
-            # Seen lately: a peak above this request alone (`start` has counted it already).
-            if not self._burst_hold or self[client] > 1 or self._remembered(client, self._clock.now()) > 1:
+            if not new or not self._burst_hold:
                 return
             hold = self._holds[client] = asyncio.Event()
         try:
@@ -67,7 +67,8 @@ class Clients:
             pass
         finally:
             if self._holds.get(client) is hold:
-                del self._holds[client]  # the hold ends for everyone waiting on it
+                del self._holds[client]
+                hold.set()  # the hold ends for everyone waiting on it
 
     def __getitem__(self, client: str) -> int:
         return self._in_flight.get(client, 0)
@@ -75,9 +76,13 @@ class Clients:
     def load(self, client: str) -> float:
         return max(self[client], self._remembered(client, self._clock.now()))
 
-    def start(self, client: str) -> None:
+    def start(self, client: str) -> bool:
+        """Count a request in flight. True if it is the first of a client not seen lately: none of
+        its requests in flight, and its remembered peak faded below half a request (for a user
+        with one request at a time, none for `memory` seconds)."""
         now = self._clock.now()
         count = self._in_flight.get(client, 0) + 1
+        new = count == 1 and self._remembered(client, now) < 0.5
         self._in_flight[client] = count
         if count > self._threshold and client in self._holds:
             self._holds[client].set()  # enough of a burst: classify them all now
@@ -85,6 +90,7 @@ class Clients:
             if len(self._peaks) >= self._PURGE_AT:
                 self._purge(now)
             self._peaks[client] = (count, now)
+        return new
 
     def finish(self, client: str) -> None:
         left = self._in_flight[client] - 1

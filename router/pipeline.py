@@ -76,10 +76,10 @@ class Pipeline:
         try:
             # Ingress: the client's key, the body within its limits, the JSON.
             incoming = await ingress.accept(arrival, scope, receive, plan)
-            self._clients.start(incoming.client)
+            new_client = self._clients.start(incoming.client)
             try:
                 # Decision: a new client's first burst shows itself first, then where and why.
-                await self._clients.settle(incoming.client)
+                await self._clients.settle(incoming.client, new=new_client)
                 routed = decide(
                     incoming,
                     classifier=plan.classifier,

@@ -68,8 +68,8 @@ async def test_a_new_clients_burst_is_held_until_it_shows_itself() -> None:
     seen: list[float] = []
 
     async def request() -> None:
-        clients.start("etl")
-        await clients.settle("etl")
+        new = clients.start("etl")
+        await clients.settle("etl", new=new)
         seen.append(clients.load("etl") - 1)  # what the classifier would see: the others
 
     tasks = [asyncio.create_task(request()) for _ in range(6)]
@@ -85,8 +85,7 @@ async def test_a_client_not_seen_lately_is_held_however_fine_the_clock() -> None
     import asyncio
 
     clients = _clients(ManualClock(), client_memory_seconds=60, burst_hold_seconds=30.0, batch_inflight_threshold=4)
-    clients.start("new")
-    held = asyncio.create_task(clients.settle("new"))
+    held = asyncio.create_task(clients.settle("new", new=clients.start("new")))
     await asyncio.sleep(0)
     assert not held.done()
     held.cancel()
@@ -96,8 +95,7 @@ async def test_a_client_not_seen_lately_is_held_however_fine_the_clock() -> None
         clients.start("etl")
     for _ in range(3):
         clients.finish("etl")
-    clients.start("etl")  # a moment after a burst of three
-    settle = clients.settle("etl")
+    settle = clients.settle("etl", new=clients.start("etl"))  # a moment after a burst of three
     with pytest.raises(StopIteration):
         settle.send(None)  # done at its first step: it never waited
 
@@ -108,11 +106,41 @@ async def test_a_lone_first_request_waits_only_the_hold() -> None:
     import time
 
     clients = _clients(ManualClock(), client_memory_seconds=0, burst_hold_seconds=0.05, batch_inflight_threshold=4)
-    clients.start("dev")
+    new = clients.start("dev")
     started = time.monotonic()
-    await asyncio.wait_for(clients.settle("dev"), 10)  # the hold ends by itself
+    await asyncio.wait_for(clients.settle("dev", new=new), 10)  # the hold ends by itself
     assert time.monotonic() - started >= 0.05
-    clients.start("dev")  # a second request while the first runs: no hold
-    settle = clients.settle("dev")
+    settle = clients.settle("dev", new=clients.start("dev"))  # a second request while the first runs: no hold
     with pytest.raises(StopIteration):
         settle.send(None)  # done at its first step: it never waited
+
+
+@pytest.mark.anyio
+async def test_a_user_seen_lately_with_one_request_at_a_time_is_not_held_again() -> None:
+    """Only a client not seen lately is held: an interactive user sending one request at a time
+    waits the hold once, not on every request (its peak of 1 read as never seen, so each of its
+    requests waited the 20 ms hold before its first token)."""
+    import asyncio
+
+    clock = ManualClock()
+    clients = _clients(clock, client_memory_seconds=60, burst_hold_seconds=30.0, batch_inflight_threshold=4)
+    first = asyncio.create_task(clients.settle("dev", new=clients.start("dev")))
+    await asyncio.sleep(0)
+    assert not first.done()  # new: held
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    clients.finish("dev")
+    for _ in range(3):  # its next requests, one at a time, seconds apart
+        clock.advance(5)
+        settle = clients.settle("dev", new=clients.start("dev"))
+        with pytest.raises(StopIteration):
+            settle.send(None)  # done at its first step: it never waited
+        clients.finish("dev")
+    clock.advance(5 * 60)  # faded: a client not seen lately again
+    again = asyncio.create_task(clients.settle("dev", new=clients.start("dev")))
+    await asyncio.sleep(0)
+    assert not again.done()
+    again.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await again

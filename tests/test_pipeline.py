@@ -324,3 +324,19 @@ def test_users_sharing_one_key_are_told_apart_by_user(
         # One job with 16 requests in flight under the same key and no `user` is a batch job.
         jobs = asyncio.run(_streams_at_once(cluster.base_url, key, [None] * 16))
         assert jobs.count("batch") >= 12, jobs
+
+
+def test_only_a_users_first_request_waits_the_burst_hold(make_cluster: Any) -> None:
+    """A user sending one request at a time is held once, as a client not seen lately; its next
+    requests are answered at once (each of them waited the whole hold before its first token)."""
+    hold = 5.0
+    body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with (
+        make_cluster(classify={"burst_hold_seconds": hold}) as cluster,
+        httpx.Client(base_url=cluster.base_url, timeout=60) as client,
+    ):
+        assert client.post("/chat/completions", json=body).status_code == 200  # held: new
+        for _ in range(2):
+            # Within less than the hold: a request that waited it times out.
+            response = client.post("/chat/completions", json=body, timeout=hold * 0.8)
+            assert response.status_code == 200

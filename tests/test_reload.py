@@ -114,8 +114,7 @@ def _held(router: Router) -> bool:
     newcomer = f"newcomer-{uuid.uuid4()}"  # a client the router has not seen
 
     async def hold() -> bool:
-        router.clients.start(newcomer)
-        settling = asyncio.ensure_future(router.clients.settle(newcomer))
+        settling = asyncio.ensure_future(router.clients.settle(newcomer, new=router.clients.start(newcomer)))
         done, _ = await asyncio.wait([settling], timeout=1.0)
         settling.cancel()
         return not done
