@@ -32,7 +32,6 @@ then it reads as that request's answer. An engine that echoes `X-Request-Id` (vL
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import io
 import select
@@ -58,10 +57,6 @@ KEEP_ALIVE_SECONDS = 4.0
 # /v1/models each hold one at most.
 _PROBE_CONNECTIONS = 3
 _ONE_WRITE = 1 << 20
-# The pooled connection the current request was given (None: a new one), for the check just
-# before its first byte is written; aiohttp writes in a task of its own, which inherits this
-# from the request's task. Per task, so no request sees another's.
-_REUSED: contextvars.ContextVar[ResponseHandler | None] = contextvars.ContextVar("reused", default=None)
 _PEER_SHUT = getattr(select, "POLLRDHUP", 0)  # Linux: the peer shut down its side
 
 
@@ -251,11 +246,16 @@ class _Handler(ResponseHandler):
 
 
 class _Connector(aiohttp.TCPConnector):
-    """aiohttp's connector, refusing to reuse a pooled connection that received bytes while idle.
+    """aiohttp's connector, refusing to reuse a pooled connection that the engine closed or sent
+    anything on while it was idle.
 
     aiohttp parses and queues a response that arrives on an idle keep-alive connection (a late
     second answer, bytes after a 204) and hands it to the next request sent on that connection
-    as its answer. Such a connection is closed instead: those bytes are nobody's answer.
+    as its answer. Such a connection is closed instead: those bytes are nobody's answer. So is
+    one whose socket polls readable: the engine's FIN, a reset or unasked bytes may be in the
+    kernel, not yet read by the loop, and a request written there may or may not have been read
+    by the engine. Nothing is awaited between this look and the request's head being written
+    (or, with a body on Python 3.11, the task that writes it being started).
     """
 
     def __init__(self, **options: Any) -> None:
@@ -266,30 +266,19 @@ class _Connector(aiohttp.TCPConnector):
     async def _get(self, key: ConnectionKey, traces: list[Trace]) -> Connection | None:
         while (connection := await super()._get(key, traces)) is not None:
             protocol: ResponseHandler | None = connection.protocol
-            if protocol is not None and not protocol.should_close:
-                _REUSED.set(protocol)
+            if protocol is not None and not protocol.should_close and not _peer_spoke(protocol):
                 return connection
             connection.close()
-        _REUSED.set(None)
         return None
 
 
-async def _before_writing(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
-    """Refuses to write on a pooled connection whose engine has closed it meanwhile.
-
-    aiohttp calls this (its `on_request_chunk_sent` trace) just before it writes a piece of the
-    body, the head going with the first, in the same step. The engine's FIN may be in the kernel
-    and not yet read by the loop: the socket then polls readable (EOF, a reset, or bytes nobody
-    asked for), and writing would send the request to a closed connection, where nobody can tell
-    whether the engine read it. Refused here, no byte leaves (NotSent).
-    """
-    protocol = _REUSED.get()
-    if protocol is None or protocol.transport is None:
-        return  # a new connection, or one aiohttp itself will refuse to write on
+def _peer_spoke(protocol: ResponseHandler) -> bool:
+    """Whether an idle connection's socket has anything to read: EOF, a reset, or bytes unasked."""
+    if protocol.transport is None:
+        return False  # aiohttp itself refuses to write on it
     poller = select.poll()
     poller.register(protocol.transport.get_extra_info("socket").fileno(), select.POLLIN | _PEER_SHUT)
-    if poller.poll(0):
-        raise aiohttp.ClientConnectionResetError("the engine closed the connection before the request was written")
+    return bool(poller.poll(0))
 
 
 class _Request(aiohttp.ClientRequest):
@@ -343,12 +332,9 @@ class AiohttpTransport:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             connector = _Connector(limit=0, limit_per_host=self._limit, keepalive_timeout=KEEP_ALIVE_SECONDS)
-            checks = aiohttp.TraceConfig()
-            checks.on_request_chunk_sent.append(_before_writing)
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 request_class=_Request,
-                trace_configs=[checks],
                 timeout=aiohttp.ClientTimeout(total=None),
                 # Only the headers the router chose; aiohttp adds Host and Content-Length.
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
@@ -451,13 +437,14 @@ def _client_timeout(connect: float | None, read: float | None) -> aiohttp.Client
 
 def _never_written(exc: BaseException) -> bool:
     """Whether the request was refused before a byte of it was written: its connection was
-    closing, or closed by the engine (`_before_writing`).
+    closing, or closed by the engine.
 
     The engine closed a pooled keep-alive connection (uvicorn does after 5 s idle) after the pool
-    handed it out but before the request was written: the request's write runs in a task of its
-    own, a loop step or more later (seconds, on a busy machine). aiohttp's writer, and
-    `_before_writing`, then raise ClientConnectionResetError before a byte reaches the socket;
-    the body writer passes it on as the cause of a ClientOSError. A body of up to `_ONE_WRITE`
+    handed it out but before the request was written: with a body on Python 3.11 the write runs
+    in a task of its own, and the loop may read the engine's FIN first (uvloop polls the sockets
+    before it runs that task; seconds may pass on a busy machine). aiohttp's writer then raises
+    ClientConnectionResetError before a byte reaches the socket; the body writer passes it on as
+    the cause of a ClientOSError. A body of up to `_ONE_WRITE`
     bytes goes out in that one write together with the head, so its refusal means that no byte
     left: the engine cannot have read the request (RFC 9110 §9.2.2 allows sending a POST again
     when "the original request was never applied"; Envoy's `reset-before-request` is the same
