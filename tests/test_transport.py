@@ -191,6 +191,32 @@ async def test_silence_is_a_read_timeout_before_the_head_and_an_idle_timeout_bet
 
 
 @pytest.mark.anyio
+async def test_chunks_keep_a_stream_alive_past_its_idle_timeout_until_they_stop() -> None:
+    """The idle timeout is silence since the last piece: a stream whose pieces come more often
+    than it lives on however long it runs, and ends once they stop."""
+
+    async def trickles(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(24):  # 2.4 s of pieces, more than twice the idle timeout
+            writer.write(b"1\r\na\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(5)
+
+    transport = _transport()
+    async with raw_server(trickles) as (url, _, _):
+        response = await _post(transport, url, timeouts=Timeouts(connect=1, read=10, idle=1.0))
+        received = []
+        with pytest.raises(ReadTimeout):
+            async for piece in response.iter_raw():
+                received.append(piece)
+        assert b"".join(received) == b"a" * 24
+        await response.aclose()
+    await transport.aclose()
+
+
+@pytest.mark.anyio
 async def test_refused_connection_is_a_connect_error() -> None:
     with socket.socket() as placeholder:
         placeholder.bind(("127.0.0.1", 0))
