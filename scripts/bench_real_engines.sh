@@ -4,12 +4,15 @@
 # the router decided (specroute_route_decisions_total, counted per run). docs/benchmarks.md,
 # "On real engines". About 15 minutes on two cores.
 # Usage: scripts/bench_real_engines.sh [users ...]   (default 2 4 8 16)
+#        TOGETHER=1 scripts/bench_real_engines.sh 24 32   the users arrive at the same moment
+#        (results named *-N-together)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 users=("$@")
 ((${#users[@]})) || users=(2 4 8 16)
 out=docs/bench/real
 duration=${DURATION:-30}
+tag=${TOGETHER:+-together}
 mkdir -p "$out"
 
 scripts/real-engines install
@@ -42,21 +45,22 @@ up $router/readyz 30
 decisions() { curl -s $router/metrics | grep '^specroute_route_decisions_total' || true; }
 
 for u in "${users[@]}"; do
-  common=(--interactive "$u" --batch 8 --duration "$duration" --think 1 --max-tokens 256 --batch-header)
-  decisions >"$out/decisions-before-$u.txt"
-  specroute bench mixed --base-url $router/v1 "${common[@]}" --out "$out/routed-$u"
-  decisions >"$out/decisions-after-$u.txt"
-  specroute bench mixed --base-url $fast/v1 "${common[@]}" --out "$out/fast-alone-$u"
-  specroute bench mixed --base-url $team/v1 "${common[@]}" --out "$out/team-alone-$u"
+  common=(--interactive "$u" --batch 8 --duration "$duration" --think 1 --max-tokens 256 --batch-header
+          ${TOGETHER:+--together})
+  decisions >"$out/decisions-before-$u$tag.txt"
+  specroute bench mixed --base-url $router/v1 "${common[@]}" --out "$out/routed-$u$tag"
+  decisions >"$out/decisions-after-$u$tag.txt"
+  specroute bench mixed --base-url $fast/v1 "${common[@]}" --out "$out/fast-alone-$u$tag"
+  specroute bench mixed --base-url $team/v1 "${common[@]}" --out "$out/team-alone-$u$tag"
 done
 
-report=$out/report-$(IFS=-; echo "${users[*]}").md
-python3 - "$out" "${users[@]}" <<'EOF' | tee "$report"
+report=$out/report-$(IFS=-; echo "${users[*]}")$tag.md
+python3 - "$out" "$tag" "${users[@]}" <<'EOF' | tee "$report"
 import json, re, sys
 from collections import Counter
 from pathlib import Path
 
-out, users = Path(sys.argv[1]), sys.argv[2:]
+out, tag, users = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 
 def interactive(name: str) -> dict:
     data = json.loads((out / name / "mixed.json").read_text())
@@ -67,7 +71,7 @@ def counts(path: Path) -> Counter:
     found = Counter()
     for line in path.read_text().splitlines():
         labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-        found[labels["job"], labels["pool"], labels["reason"]] += float(line.rsplit(" ", 1)[1])
+        found[labels["job_class"], labels["pool"], labels["reason"]] += float(line.rsplit(" ", 1)[1])
     return found
 
 def ms(value) -> str:
@@ -77,7 +81,7 @@ print("| users | layout | requests | TTFT p50 | TTFT p99 | worst TTFT | per-user
 print("|---:|---|---:|---:|---:|---:|---:|---:|")
 for u in users:
     for layout in ("routed", "fast-alone", "team-alone"):
-        s = interactive(f"{layout}-{u}")
+        s = interactive(f"{layout}-{u}{tag}")
         speed = "–" if s["per_user_tps"] is None else f"{s['per_user_tps']:.0f}"
         print(f"| {u} | {layout} | {s['requests']} | {ms(s['ttft_p50'])} | {ms(s['ttft_p99'])} "
               f"| {ms(s['ttft_worst'])} | {speed} | {s['errors']} |")
@@ -85,7 +89,7 @@ print()
 print("| users | job | pool | reason | requests |")
 print("|---:|---|---|---|---:|")
 for u in users:
-    delta = counts(out / f"decisions-after-{u}.txt") - counts(out / f"decisions-before-{u}.txt")
+    delta = counts(out / f"decisions-after-{u}{tag}.txt") - counts(out / f"decisions-before-{u}{tag}.txt")
     for (job, pool, reason), n in sorted(delta.items()):
         print(f"| {u} | {job} | {pool} | {reason} | {n:.0f} |")
 EOF
