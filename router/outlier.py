@@ -27,6 +27,7 @@ class Outlier:
         self.ejections = 0  # in a row, without a success between
         self.ejected_for = 0.0  # seconds, the latest ejection
         self.ejected_until = 0.0
+        self._back_from_ejection = False  # out because it was ejected, not (only) for failed probes
 
     def probed(self, now: float, ok: bool, *, first: bool = False) -> None:
         """An active health check's result; `first` (at start-up) decides at once."""
@@ -37,9 +38,18 @@ class Outlier:
             self._probes_failed, self._probes_passed = 0, self._probes_passed + 1
             if not self.healthy and (first or self._probes_passed >= config.healthy_after):
                 self.healthy = True
-                state_log.info(
-                    "backend %s (pool %s) healthy: %d health checks passed", *self._names, self._probes_passed
-                )
+                if self._back_from_ejection:
+                    self._back_from_ejection = False
+                    state_log.info(
+                        "backend %s (pool %s) returned after ejection (%g s): %d health checks passed",
+                        *self._names,
+                        self.ejected_for,
+                        self._probes_passed,
+                    )
+                else:
+                    state_log.info(
+                        "backend %s (pool %s) healthy: %d health checks passed", *self._names, self._probes_passed
+                    )
         else:
             self._probes_failed, self._probes_passed = self._probes_failed + 1, 0
             if self.healthy and (first or self._probes_failed >= config.unhealthy_after):
@@ -58,6 +68,7 @@ class Outlier:
         self.ejected_for = min(config.max_ejection_seconds, config.ejection_seconds * 2 ** (self.ejections - 1))
         self.ejected_until = now + self.ejected_for
         self.healthy = False
+        self._back_from_ejection = True
         state_log.warning(
             "backend %s (pool %s) ejected for %g s: %d requests failed in a row",
             *self._names,
