@@ -40,7 +40,13 @@ def admin_routes(router: Router) -> list[Route]:
 async def _set_draining(request: Request, router: Router, *, draining: bool) -> Response:
     router.plan.auth.check_admin(bearer(request.headers.get("authorization")))
     target = _target(await request.body(), max_depth=router.plan.json_depth)
-    backends = router.set_draining(pool=target.get("pool"), backend=target.get("backend"), draining=draining)
+    [(kind, name)] = target.items()
+    backends = router.set_draining(
+        pool=target.get("pool"),
+        backend=target.get("backend"),
+        draining=draining,
+        reason=f"asked through the admin API ({kind} {name})",
+    )
     return JSONResponse({"draining": draining, "backends": [_view(backend) for backend in backends]})
 
 

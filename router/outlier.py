@@ -3,7 +3,8 @@
 A backend leaves after `health.unhealthy_after` failed probes in a row and comes back after
 `healthy_after` good ones. Requests failing `eject_after` times in a row eject it for
 `ejection_seconds`, doubling (up to `max_ejection_seconds`) each time it is ejected again
-before a success; while ejected, probes are not heard. Nothing here reads a clock or does I/O:
+before a success; while ejected, probes are not heard, and once its time is over it returns
+after `healthy_after` good probes (logged as a return from ejection). Nothing here reads a clock or does I/O:
 the health checker and the forwarding stage report events with the time they happened.
 """
 
@@ -27,6 +28,8 @@ class Outlier:
         self.ejections = 0  # in a row, without a success between
         self.ejected_for = 0.0  # seconds, the latest ejection
         self.ejected_until = 0.0
+        # Out because it was ejected (until it returns), and whether its probes failed since.
+        self._back_from_ejection = self._failed_after_ejection = False
 
     def probed(self, now: float, ok: bool, *, first: bool = False) -> None:
         """An active health check's result; `first` (at start-up) decides at once."""
@@ -37,16 +40,34 @@ class Outlier:
             self._probes_failed, self._probes_passed = 0, self._probes_passed + 1
             if not self.healthy and (first or self._probes_passed >= config.healthy_after):
                 self.healthy = True
-                state_log.info(
-                    "backend %s (pool %s) healthy: %d health checks passed", *self._names, self._probes_passed
-                )
+                if self._back_from_ejection:
+                    self._back_from_ejection = self._failed_after_ejection = False
+                    state_log.info(
+                        "backend %s (pool %s) returned after ejection (%g s): %d health checks passed",
+                        *self._names,
+                        self.ejected_for,
+                        self._probes_passed,
+                    )
+                else:
+                    state_log.info(
+                        "backend %s (pool %s) healthy: %d health checks passed", *self._names, self._probes_passed
+                    )
         else:
             self._probes_failed, self._probes_passed = self._probes_failed + 1, 0
-            if self.healthy and (first or self._probes_failed >= config.unhealthy_after):
-                self.healthy = False
-                state_log.warning(
-                    "backend %s (pool %s) unhealthy: %d health checks failed", *self._names, self._probes_failed
-                )
+            if first or self._probes_failed >= config.unhealthy_after:
+                if self.healthy:
+                    self.healthy = False
+                    state_log.warning(
+                        "backend %s (pool %s) unhealthy: %d health checks failed", *self._names, self._probes_failed
+                    )
+                elif self._back_from_ejection and not self._failed_after_ejection:
+                    # Its ejection time is over and the engine still fails: once, not every probe.
+                    self._failed_after_ejection = True
+                    state_log.warning(
+                        "backend %s (pool %s) still unhealthy after its ejection: %d health checks failed",
+                        *self._names,
+                        self._probes_failed,
+                    )
 
     def request_failed(self, now: float) -> bool:
         """A request failed on this backend; returns True if that ejected it."""
@@ -58,13 +79,14 @@ class Outlier:
         self.ejected_for = min(config.max_ejection_seconds, config.ejection_seconds * 2 ** (self.ejections - 1))
         self.ejected_until = now + self.ejected_for
         self.healthy = False
+        self._back_from_ejection = True
         state_log.warning(
             "backend %s (pool %s) ejected for %g s: %d requests failed in a row",
             *self._names,
             self.ejected_for,
             self._requests_failed,
         )
-        self._requests_failed = self._probes_passed = 0
+        self._requests_failed = self._probes_passed = self._probes_failed = 0
         return True
 
     def request_succeeded(self) -> None:

@@ -34,6 +34,7 @@ from router.locate import Locator
 from router.metrics import Metrics
 from router.models import ModelCatalog
 from router.observe import Observer
+from router.outlier import state_log
 from router.pipeline import Pipeline
 from router.plan import Plan, compile_plan
 from router.scrape import EngineScraper
@@ -162,8 +163,15 @@ class Router:
         tls = tls_context(settings.tls) if previous is None or settings.tls != previous.tls else self.transport.tls
         plan = compile_plan(settings)
         changed = _differences(masked(previous), masked(settings)) if previous is not None else []
+        drained = [backend for backend in self.pools.backends() if backend.draining]
         for name in self.pools.configure(settings.pools, settings.health):
             self.speeds.forget(name)
+        # A drained backend configured anew (another URL or pool) is a new backend, not drained.
+        now = {backend.name: backend for backend in self.pools.backends()}
+        for old in drained:
+            new = now.get(old.name)
+            if new is not None and new is not old and not new.draining:
+                _log_drain(new, "a reload configured it anew (another URL or pool), the drain is not kept")
         self.clients.configure(settings.classify)
         # Timeouts and limits go with each request (the plan), so they reach pooled connections too.
         self.transport.configure(connections_per_origin=_connections_per_origin(self.pools), tls=tls)
@@ -187,9 +195,17 @@ class Router:
         self._settings = settings
         return {"changed": changed, "needs_restart": [key for key in changed if key.startswith(NEEDS_RESTART)]}
 
-    def set_draining(self, *, pool: str | None = None, backend: str | None = None, draining: bool) -> list[Backend]:
+    def set_draining(
+        self,
+        *,
+        pool: str | None = None,
+        backend: str | None = None,
+        draining: bool,
+        reason: str = "asked by an operator",
+    ) -> list[Backend]:
         """Drain (or resume) one backend, or every backend of a pool: a drained backend takes no
-        new work, and its running requests finish."""
+        new work, and its running requests finish. Each backend whose state this changes is
+        logged once with `reason` (who asked); one already in that state is not."""
         if pool is not None:
             found = self.pools.get(pool)
             if found is None:
@@ -200,10 +216,11 @@ class Router:
             if not backends:
                 raise NotFound(f"no backend named {backend!r}", param="backend", code="unknown_backend")
         for target in backends:
-            target.draining = draining
+            if target.draining != draining:
+                target.draining = draining
+                _log_drain(target, reason)
         for each in self.pools:
             each.wake()  # resumed: queued work may go there; drained: a queue with nowhere to go fails
-        logger.info("%s %s", "draining" if draining else "resumed", ", ".join(b.name for b in backends))
         return backends
 
     def begin_shutdown(self) -> None:
@@ -212,6 +229,11 @@ class Router:
         grace = self.grace_seconds
         logger.info("shutting down: running requests have %g s to finish", grace)
         asyncio.get_running_loop().call_later(grace, self.pipeline.end_all)
+
+
+def _log_drain(backend: Backend, reason: str) -> None:
+    state = "drained" if backend.draining else "resumed"
+    state_log.info("backend %s (pool %s) %s: %s", backend.name, backend.pool, state, reason)
 
 
 def _connections_per_origin(pools: Pools) -> int:

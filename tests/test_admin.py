@@ -6,6 +6,7 @@ Each test's name states what must hold for it to pass.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -278,3 +279,55 @@ def test_reload_names_the_client_limits_as_needing_a_restart(
         assert answer.json() == {"reloaded": True, "changed": ["limits.json_depth", *restart], "needs_restart": restart}
         deep = {**CHAT, "metadata": {"a": {"b": "c"}}}  # three levels: past the new depth of 2
         assert httpx.post(cluster.base_url + "/chat/completions", json=deep).json()["error"]["code"] == "invalid_json"
+
+
+def _state_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "specroute.backends"]
+
+
+def test_drain_and_resume_are_logged_once_with_backend_pool_and_who_asked(
+    make_cluster: Any, admin_key: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="specroute.backends")
+    with make_cluster(fast_backends=2, **admin_key) as cluster:
+        assert _admin(cluster, "drain", {"backend": "fast-2"}).status_code == 200
+        assert _state_lines(caplog) == [
+            (logging.INFO, "backend fast-2 (pool fast) drained: asked through the admin API (backend fast-2)")
+        ]
+        caplog.clear()
+        # The pool: only fast-1 changes; fast-2, drained already, logs nothing.
+        assert _admin(cluster, "drain", {"pool": "fast"}).status_code == 200
+        assert _admin(cluster, "drain", {"backend": "fast-1"}).status_code == 200  # nothing changes
+        assert _state_lines(caplog) == [
+            (logging.INFO, "backend fast-1 (pool fast) drained: asked through the admin API (pool fast)")
+        ]
+        caplog.clear()
+        assert _admin(cluster, "resume", {"backend": "fast-1"}).status_code == 200
+        assert _admin(cluster, "resume", {"backend": "fast-1"}).status_code == 200  # nothing changes
+        assert _admin(cluster, "resume", {"pool": "team"}).status_code == 200  # nothing was drained
+        assert _state_lines(caplog) == [
+            (logging.INFO, "backend fast-1 (pool fast) resumed: asked through the admin API (backend fast-1)")
+        ]
+
+
+def test_a_drained_backend_configured_anew_by_a_reload_is_logged_as_resumed(
+    make_cluster: Any, admin_key: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="specroute.backends")
+    config = tmp_path / "router.yaml"
+    with make_cluster(fast_backends=2, config_file=config, **admin_key) as cluster:
+        _admin(cluster, "drain", {"pool": "fast"})
+        caplog.clear()
+        data = json.loads(json.dumps(cluster.config))
+        backends = data["pools"]["fast"]["backends"]
+        backends["fast-2"]["url"] = backends["fast-1"]["url"]  # fast-2 at another URL: a new backend
+        _write(config, data)
+        assert _admin(cluster, "reload", b"").status_code == 200
+        assert _draining(cluster) == {"fast-1": True, "fast-2": False, "team-1": False}
+        assert _state_lines(caplog) == [
+            (
+                logging.INFO,
+                "backend fast-2 (pool fast) resumed: a reload configured it anew (another URL or pool),"
+                " the drain is not kept",
+            )
+        ]

@@ -115,3 +115,21 @@ def test_compare_mixed_routed_beats_both_single_layouts(tmp_path: Path) -> None:
     assert routed["ttft_worst"] < 3.0 < spec["ttft_worst"]
     # The batch job was recognised by its behaviour alone: most of it ran on the standard pool.
     assert layouts["routed"]["batch"]["requests"] > 60
+
+
+@pytest.mark.e2e  # three simulated eight-node layouts in turn: about 18 s
+def test_bench_spill_together_reaches_the_load_generator(tmp_path: Path) -> None:
+    """`--together` from the command line makes every interactive user start at once. Apart, user
+    n waits n x think / users before its first request (20 s / 4 = 5 s of real time each), so in a
+    3-s run only user 0 would ask anything; together, all four ask once, on every layout run."""
+    code = main(
+        ["bench", "spill", "--together", "--users", "4", "--batch", "0", "--modes", "adaptive",
+         "--duration", "3", "--think", "20", "--max-tokens", "8", "--time-scale", str(SCALE),
+         "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 0
+    [point] = json.loads((tmp_path / "spill.json").read_text())["points"]
+    runs = {name: run for name, run in point.items() if name != "users"}
+    assert set(runs) == {"routed (adaptive)", "speculative alone", "standard with the batch"}
+    assert {name: (run["requests"], run["errors"]) for name, run in runs.items()} == dict.fromkeys(runs, (4, 0))
+    assert "users arriving together" in (tmp_path / "report.md").read_text()

@@ -156,12 +156,52 @@ def test_backend_state_changes_are_logged_once_each(make_cluster: Any, caplog: p
         answer = httpx.post(cluster.base_url + "/completions", json={"model": "test-model", "prompt": "x"})
         assert answer.status_code == 200
         _wait_for_line(caplog, "backend fast-1 (pool fast) ejected for 10 s: 1 requests failed in a row")
-        # Back through its health checks once the ejection time is over.
-        clock.advance(10)
+        # Its probes pass, but it sits out the ejection time on the router's clock: no return yet.
+        probes = cluster.fast.health_checks
         deadline = time.monotonic() + 5
-        while len([r for r in caplog.records if " healthy:" in r.getMessage()]) < 2:
-            assert time.monotonic() < deadline, "the ejected backend never came back"
+        while cluster.fast.health_checks < probes + 3:
+            assert time.monotonic() < deadline, "the router stopped probing"
             time.sleep(0.01)
+        assert not [r for r in caplog.records if "returned" in r.getMessage()]
+        # Back through its health checks once the ejection time is over, logged as a return.
+        clock.advance(10)
+        back = _wait_for_line(
+            caplog, "backend fast-1 (pool fast) returned after ejection (10 s): 2 health checks passed"
+        )
+        assert back.levelno == logging.INFO
     lines = [r.getMessage() for r in caplog.records if r.name == "specroute.backends"]
     assert len([line for line in lines if "unhealthy" in line]) == 1, lines  # one line per change, not per probe
-    assert len([line for line in lines if " healthy:" in line]) == 2, lines
+    assert len([line for line in lines if " healthy:" in line]) == 1, lines
+    assert len([line for line in lines if " returned after ejection" in line]) == 1, lines
+
+
+def test_an_ejected_backend_still_down_when_its_time_is_over_is_logged_once_then_its_return(
+    make_cluster: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    health = {"interval": 0.05, "unhealthy_after": 2, "healthy_after": 2, "eject_after": 1, "ejection_seconds": 10}
+    clock = ManualClock()
+    with (
+        caplog.at_level(logging.INFO, logger="specroute.backends"),
+        make_cluster(health=health, live_clock=clock) as cluster,
+    ):
+        cluster.fast.fail_status, cluster.fast.fail_count = 503, 1
+        assert (
+            httpx.post(cluster.base_url + "/completions", json={"model": "test-model", "prompt": "x"}).status_code
+            == 200
+        )
+        _wait_for_line(caplog, "backend fast-1 (pool fast) ejected for 10 s: 1 requests failed in a row")
+        cluster.fast.healthy = False  # the engine is down when the ejection time is over
+        clock.advance(10)
+        still = _wait_for_line(
+            caplog, "backend fast-1 (pool fast) still unhealthy after its ejection: 2 health checks failed"
+        )
+        assert still.levelno == logging.WARNING
+        probes = cluster.fast.health_checks
+        deadline = time.monotonic() + 5
+        while cluster.fast.health_checks < probes + 3:  # more failed probes: no more lines
+            assert time.monotonic() < deadline, "the router stopped probing"
+            time.sleep(0.01)
+        cluster.fast.healthy = True
+        _wait_for_line(caplog, "backend fast-1 (pool fast) returned after ejection (10 s): 2 health checks passed")
+    lines = [r.getMessage() for r in caplog.records if r.name == "specroute.backends"]
+    assert len(lines) == 3, lines

@@ -8,11 +8,14 @@ run on this machine.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.config import Routing
+from router.engines import EngineView
 from router.scrape import engine_load, parse
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -107,3 +110,34 @@ def test_sglang_queue_across_two_pages() -> None:
     values = sample(SGLANG)
     load = engine_load(values, values, now=1.0)
     assert load.queued == 3  # waiting in both readings: a queue
+
+
+# A cold router in front of the real test engine (tests/real: the router's `max_concurrency` 32):
+# the KV each request takes is the engine's stated capacity (2.0, at max_model_len) until a
+# reading with requests running shows it. Rows: requests this router has in flight there since
+# the idle reading, whether a reading with one short request running (1 block of 32) was seen,
+# the KV projected once one more is sent, whether that one spills (`kv_threshold` 0.9).
+@pytest.mark.parametrize(
+    ("in_flight", "seen_running", "projected", "spills"),
+    [
+        (0, False, 0.5, False),  # the first request: half the cache, at full length
+        (1, False, 1.0, True),  # the second in flight spills (spill:spec-kv-full) while cold
+        (0, True, 1 / 32, False),
+        (1, True, 2 / 32, False),  # once measured, short requests take their own block each
+        (27, True, 28 / 32, False),
+        (28, True, 29 / 32, True),
+    ],
+)
+def test_a_cold_router_takes_the_stated_capacity_until_a_reading_shows_requests_running(
+    in_flight: int, seen_running: bool, projected: float, spills: bool
+) -> None:
+    stated = engine_load(sample(SPEC), None, now=10.0)
+    assert stated.max_concurrency == 2.0
+    view = EngineView()
+    if seen_running:
+        view.observe(dataclasses.replace(stated, running=1, waiting=0, kv_usage=1 / 32, scraped_at=5.0))
+    # The reading the projection starts from: the engine idle, nothing of this router's counted.
+    view.observe(dataclasses.replace(stated, running=0, waiting=0, kv_usage=0.0, scraped_at=10.0))
+    kv = view.kv_projected(10.5, 5.0, in_flight=in_flight, max_concurrency=32)
+    assert kv == pytest.approx(projected)
+    assert (kv is not None and kv >= Routing().kv_threshold) is spills

@@ -8,6 +8,7 @@ requests waiting for about 15 s).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -195,7 +196,20 @@ def test_drain_and_resume(cluster: RealCluster) -> None:
     assert (served, reason) == ("fast", "default")
 
 
-def test_an_engine_killed_under_load_fails_over_and_returns(cluster: RealCluster) -> None:
+def _state_lines(caplog: pytest.LogCaptureFixture, backend: str) -> list[tuple[int, str]]:
+    """The router's backend state lines (specroute.backends) about one backend, in order."""
+    prefix = f"backend {backend} ("
+    return [
+        (r.levelno, r.getMessage())
+        for r in list(caplog.records)
+        if r.name == "specroute.backends" and r.getMessage().startswith(prefix)
+    ]
+
+
+def test_an_engine_killed_under_load_fails_over_and_returns(
+    cluster: RealCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="specroute.backends")  # the router runs in this process
     outcomes: list[tuple[str, str]] = []
     failures: list[BaseException] = []
     stop = threading.Event()
@@ -238,3 +252,23 @@ def test_an_engine_killed_under_load_fails_over_and_returns(cluster: RealCluster
     assert failures == []
     served_by = Counter(served for served, _ in outcomes)
     assert served_by["fast"] > 0 and served_by["team"] > 0
+
+    # The log says it all, one line per change: ejected by the failing requests; its engine still
+    # down when the 10 s are over (a restart takes about 90 s); back; and its /metrics unread
+    # meanwhile (stale after 5 s, fresh again once the engine answers).
+    wait_for(
+        lambda: any("engine readings fresh again" in line for _, line in _state_lines(caplog, "fast-1")),
+        timeout=10,
+        what="fast-1's engine readings logged fresh again",
+    )
+    lines = _state_lines(caplog, "fast-1")
+    head = "backend fast-1 (pool fast) "
+    ejected = (logging.WARNING, head + "ejected for 10 s: 3 requests failed in a row")
+    still_down = (logging.WARNING, head + "still unhealthy after its ejection: 2 health checks failed")
+    returned = (logging.INFO, head + "returned after ejection (10 s): 2 health checks passed")
+    fresh = (logging.INFO, head + "engine readings fresh again")
+    stale = [line for line in lines if line[1].startswith(head + "engine readings stale (no good scrape for ")]
+    assert len(stale) == 1 and stale[0][0] == logging.WARNING, lines
+    assert sorted(lines) == sorted([ejected, still_down, returned, fresh, stale[0]]), lines
+    assert lines.index(ejected) < lines.index(still_down) < lines.index(returned), lines
+    assert lines.index(stale[0]) < lines.index(fresh), lines
