@@ -50,9 +50,18 @@ PANELS: tuple[Panel, ...] = (
         unit="s",
     ),
     Panel(
-        "First token p95 by job class and pool",
+        "First token p50 and p95 by job class and pool",
         "Batch work may wait; interactive work should not.",
-        ((_quantile(0.95, "specroute_time_to_first_token_seconds", "pool, job_class"), "{{job_class}} on {{pool}}"),),
+        (
+            (
+                _quantile(0.5, "specroute_time_to_first_token_seconds", "pool, job_class"),
+                "p50 {{job_class}} on {{pool}}",
+            ),
+            (
+                _quantile(0.95, "specroute_time_to_first_token_seconds", "pool, job_class"),
+                "p95 {{job_class}} on {{pool}}",
+            ),
+        ),
         unit="s",
     ),
     Panel(

@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.config import load_settings
+from router.config import Listen, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
@@ -70,6 +70,8 @@ def test_deployment_probes_grace_and_settings(tmp_path: Path) -> None:
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["ports"][0]["containerPort"] == settings.listen.port
     assert settings.listen.host == "0.0.0.0"
+    # An ingress in front: it must be trusted to name the client, or its users are one client.
+    assert settings.listen.forwarded_allow_ips != Listen().forwarded_allow_ips
     # The kubelet kills after terminationGracePeriodSeconds: the preStop pause, the router's
     # grace and its 5 s backstop (router.server) must fit.
     pause = container["lifecycle"]["preStop"]["sleep"]["seconds"]

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -69,6 +70,18 @@ def test_error_code_in_the_access_line(cluster: Cluster, caplog: pytest.LogCaptu
     entry = json.loads(JsonFormatter().format(record))
     assert (entry["id"], entry["status"], entry["code"], entry["pool"]) == ("r1", 400, "invalid_json", None)
     assert entry["client"] is None  # who a client is depends on its body's `user`, which was unreadable
+
+
+def test_the_readme_documents_every_access_field_and_both_formats() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("\n## Logs\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (`[^|]+`) \|", section, flags=re.MULTILINE)
+    assert [name for row in rows for name in re.findall(r"`(\w+)`", row)] == ACCESS_FIELDS.split()
+    text = re.search(r"^\S+ INFO specroute\.access (.+)$", section, flags=re.MULTILINE)
+    assert text is not None and [pair.split("=")[0] for pair in text[1].split(" ")] == ACCESS_FIELDS.split()
+    line = re.search(r"^\{.+\}$", section, flags=re.MULTILINE)
+    assert line is not None
+    assert list(json.loads(line[0])) == ["time", "level", "logger", "message", *ACCESS_FIELDS.split()]
 
 
 def _free_port() -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -39,6 +40,8 @@ RATE_WINDOW = "20s"
 # How long the load may take to teach the router a crossover, and then Prometheus to show everything.
 LEARNING_DEADLINE = 240
 SCRAPE_DEADLINE = 120
+# An alert's expression: a query compared to a threshold.
+ALERT_THRESHOLD = re.compile(r"(?P<query>.+?)\s*(?:==|!=|>=|<=|>|<)\s*[0-9.]+")
 
 
 def _promtool(*args: str, cwd: Path = PROMETHEUS_DIR) -> None:
@@ -48,10 +51,11 @@ def _promtool(*args: str, cwd: Path = PROMETHEUS_DIR) -> None:
 
 
 def _panel_queries() -> list[tuple[str, str]]:
-    """(panel title, PromQL as Prometheus gets it) for every target of the dashboard."""
+    """(panel title and target, PromQL as Prometheus gets it) for every target of the dashboard:
+    a panel with two queries gives two names."""
     board = json.loads(DASHBOARD.read_text())
     return [
-        (panel["title"], target["expr"].replace("$__rate_interval", RATE_WINDOW))
+        (f"{panel['title']} [{target['refId']}]", target["expr"].replace("$__rate_interval", RATE_WINDOW))
         for panel in board["panels"]
         for target in panel["targets"]
     ]
@@ -221,11 +225,28 @@ def _wait_for_learned_crossover(router: str, server: subprocess.Popen[bytes], lo
             time.sleep(1)
 
 
+def _alert_queries() -> list[tuple[str, str, str]]:
+    """(alert, its expression, what it compares) for every alert: the expression itself answers
+    only while the alert fires (its firing is proven by `promtool test rules`); what it compares
+    to its threshold must have data under load."""
+    alerts = []
+    for rule in _rules():
+        if "alert" in rule:
+            expr = " ".join(rule["expr"].split())
+            compared = ALERT_THRESHOLD.fullmatch(expr)
+            assert compared is not None, f"{rule['alert']}: not of the form <query> <comparison> <number>: {expr}"
+            alerts.append((rule["alert"], expr, compared["query"]))
+    return alerts
+
+
 def _check_prometheus(api: str, server: subprocess.Popen[bytes], log: Path) -> None:
     # The rules' 5-minute windows need two scrapes in them; the dashboard's 20 s windows too.
-    queries = dict(_panel_queries())
-    records = {rule["record"]: rule["record"] for rule in _rules() if "record" in rule}
-    waiting = {**{f"panel {title}": expr for title, expr in queries.items()}, **records, "up": 'up{job="specroute"}'}
+    records = [(f"record {rule['record']}", rule["record"]) for rule in _rules() if "record" in rule]
+    alerts = _alert_queries()
+    compared = [(f"alert {name} (what it compares)", query) for name, _, query in alerts]
+    panels = [(f"panel {name}", expr) for name, expr in _panel_queries()]
+    waiting = dict([*panels, *records, *compared, ("up", 'up{job="specroute"}')])
+    assert len(waiting) == len(panels) + len(records) + len(compared) + 1, "two queries under one name"
     deadline = time.monotonic() + SCRAPE_DEADLINE
     with httpx.Client(timeout=10) as client:
         while waiting:
@@ -241,6 +262,10 @@ def _check_prometheus(api: str, server: subprocess.Popen[bytes], log: Path) -> N
             if waiting:
                 assert time.monotonic() < deadline, f"no data after {SCRAPE_DEADLINE} s for: {sorted(waiting)}"
                 time.sleep(1)
+        # Every alert's whole expression runs too (an empty answer is an alert not firing).
+        for name, expr, _ in alerts:
+            answer = client.get(f"{api}/query", params={"query": expr}).json()
+            assert answer["status"] == "success", (name, answer)
         # Every rule, the alerts included, has been evaluated without an error.
         groups = client.get(f"{api}/rules").json()["data"]["groups"]
     rules = [rule for group in groups for rule in group["rules"]]
