@@ -34,6 +34,7 @@ from router.locate import Locator
 from router.metrics import Metrics
 from router.models import ModelCatalog
 from router.observe import Observer
+from router.owners import Owners
 from router.pipeline import Pipeline
 from router.plan import Plan, compile_plan
 from router.scrape import EngineScraper
@@ -98,8 +99,9 @@ class Router:
             speeds=self.speeds,
             forwarder=Forwarder(self.pools, self.transport, observer, self.clock),
             observer=observer,
-            owners=self.owners,
-            locator=self.locator,
+            owners=Owners(
+                pools=self.pools, owners=self.owners, locator=self.locator, observer=observer, clock=self.clock
+            ),
             clock=self.clock,
         )
         self.catalog = ModelCatalog(self.pools, self.transport, clock=self.clock)
