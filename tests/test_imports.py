@@ -117,6 +117,14 @@ def test_the_parts_take_their_own_sections_not_the_settings() -> None:
     assert holders <= SETTINGS_HOLDERS
 
 
+@pytest.mark.parametrize("module", [m for m in MODULES if _under(m, ("router.batch",))])
+def test_the_batch_parts_take_their_section_from_apply(module: str) -> None:
+    """The Batch API's section reaches its parts by `configure` from `Router.apply`, as every
+    other part's does; it once went as an attribute of the Router (`router.batch`), read there."""
+    tree = ast.parse(MODULES[module].read_text())
+    assert [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "batch"] == []
+
+
 def test_no_module_of_the_package_imports_itself_back() -> None:
     """No import cycle, not even one for type checking only (pools <-> scrape was one): each
     part can be read, and tested, from the bottom up."""
