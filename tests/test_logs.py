@@ -20,17 +20,19 @@ import pytest
 from router.clock import ManualClock
 from router.logs import JsonFormatter, TextFormatter
 from tests.conftest import Cluster
+from tests.wait import wait_until
 
 # The access line's fields, in order (README, "Logs").
 ACCESS_FIELDS = "id path model client job reason pool backend status code retries queue_ms ttft_ms tokens duration_ms"
 
 
 def _records(caplog: pytest.LogCaptureFixture, count: int) -> list[logging.LogRecord]:
-    deadline = time.monotonic() + 2  # the router logs just after the last byte, in its own thread
-    while len(found := [r for r in caplog.records if r.name == "specroute.access"]) < count:
-        assert time.monotonic() < deadline, f"{len(found)} access lines, expected {count}"
-        time.sleep(0.005)
-    return found
+    def access() -> list[logging.LogRecord]:
+        found = [r for r in caplog.records if r.name == "specroute.access"]
+        return found if len(found) >= count else []
+
+    # The router logs just after the last byte, in its own thread.
+    return wait_until(access, timeout=2, interval=0.005, message=f"{count} access lines")
 
 
 def test_access_line_as_json_and_text(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
@@ -130,13 +132,12 @@ def test_demo_listens_where_the_environment_says_and_logs_json() -> None:
 
 
 def _wait_for_line(caplog: pytest.LogCaptureFixture, text: str) -> logging.LogRecord:
-    deadline = time.monotonic() + 5
-    while True:
-        found = [r for r in caplog.records if r.name == "specroute.backends" and text in r.getMessage()]
-        if found:
-            return found[0]
-        assert time.monotonic() < deadline, f"no log line with {text!r}"
-        time.sleep(0.01)
+    found = wait_until(
+        lambda: [r for r in caplog.records if r.name == "specroute.backends" and text in r.getMessage()],
+        timeout=5,
+        message=f"a log line with {text!r}",
+    )
+    return found[0]
 
 
 def test_backend_state_changes_are_logged_once_each(make_cluster: Any, caplog: pytest.LogCaptureFixture) -> None:
@@ -158,10 +159,11 @@ def test_backend_state_changes_are_logged_once_each(make_cluster: Any, caplog: p
         _wait_for_line(caplog, "backend fast-1 (pool fast) ejected for 10 s: 1 requests failed in a row")
         # Back through its health checks once the ejection time is over.
         clock.advance(10)
-        deadline = time.monotonic() + 5
-        while len([r for r in caplog.records if " healthy:" in r.getMessage()]) < 2:
-            assert time.monotonic() < deadline, "the ejected backend never came back"
-            time.sleep(0.01)
+        wait_until(
+            lambda: len([r for r in caplog.records if " healthy:" in r.getMessage()]) >= 2,
+            timeout=5,
+            message="the ejected backend back",
+        )
     lines = [r.getMessage() for r in caplog.records if r.name == "specroute.backends"]
     assert len([line for line in lines if "unhealthy" in line]) == 1, lines  # one line per change, not per probe
     assert len([line for line in lines if " healthy:" in line]) == 2, lines
