@@ -37,8 +37,11 @@ def create_app(
     """`load` reads the settings again for a reload (SIGHUP, /admin/reload); None: no reloads.
     `clock` is the wall clock of the Batch API's timestamps and expiry (tests move it);
     `live_clock` the monotonic one of the live state (router.clock)."""
-    router = Router(settings, registry=registry, load=load, clock=live_clock)
-    batches = BatchService(router, clock=clock)
+    router = Router(
+        settings, registry=registry, load=load, clock=live_clock, batches=lambda r: BatchService(r, clock=clock)
+    )
+    batches = router.batches
+    assert isinstance(batches, BatchService)
 
     async def healthz(request: Request) -> Response:
         # Also served at /health, the path vLLM and SGLang use, which load tools probe first.

@@ -2,10 +2,10 @@
 
     ingress  (router.ingress)   who, may they, the body            -> Incoming
     decide   (router.decide)    classification, content, snapshot  -> Routed: where and why
-             (router.affinity)  a stored response's backend, if named -> Routed pinned there
-             (router.locate)    ... asked of the backends, if not remembered
+    owners   (router.owners)    a stored response it names, if any -> Routed pinned to its backend
     forward  (router.forward)   the attempt loop, slots, retries   -> Answer | Failure
     relay    (router.relay)     whole or as a stream               -> Outcome
+             (router.owners)    a stored response made or deleted: noted
     observe  (router.observe)   metrics, learning, the access log  <- Finished
 
 The request takes the settings once, as the `Plan` of the moment, and keeps it to its end.
@@ -18,23 +18,20 @@ upstream request).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 from starlette.types import Message, Receive, Scope, Send
 
 from router import ingress
-from router.affinity import ResponseOwners, made_response, response_ref
-from router.backends import Backend, Pools
+from router.backends import Pools
 from router.clients import Clients
 from router.clock import Clock
 from router.decide import Routed, decide
 from router.errors import RouterError, ShuttingDown
 from router.forward import Answer, Attempts, Forwarder
-from router.headers import request_headers
 from router.incoming import Arrival, Incoming
 from router.learn import SpeedModel
-from router.locate import Locator
 from router.observe import Finished, Observer
+from router.owners import Owners
 from router.payload import ClientGone
 from router.plan import Plan
 from router.policy import Decision
@@ -52,8 +49,7 @@ class Pipeline:
         speeds: SpeedModel,
         forwarder: Forwarder,
         observer: Observer,
-        owners: ResponseOwners,
-        locator: Locator,
+        owners: Owners,
         clock: Clock,
     ) -> None:
         self._pools = pools
@@ -62,7 +58,6 @@ class Pipeline:
         self._forwarder = forwarder
         self._observer = observer
         self._owners = owners
-        self._locator = locator
         self._clock = clock
         self.plan: Plan | None = None  # set by Router.apply, swapped whole on a reload
         self._serving: set[_Serving] = set()  # one per request being served
@@ -95,7 +90,7 @@ class Pipeline:
                         acceptance_max_age=plan.acceptance_max_age,
                     ),
                 )
-                routed = await self._to_owner(incoming, routed, plan)
+                routed = await self._owners.route(incoming, routed, plan)  # a stored response: to its backend
                 self._observer.decided(routed.decision)
                 request.decision = routed.decision
                 # Forwarding and relay, cancelled at once if the client leaves.
@@ -170,59 +165,10 @@ class Pipeline:
                 request.outcome = await relay_whole(send, result.response, result.content, headers, request.progress)
             else:
                 request.outcome = await self._relay_stream(send, incoming, routed, plan, result, request, headers)
-            self._note_owner(incoming, result, request.outcome)
+            self._owners.note(incoming, result, request.outcome)
         finally:
             await result.response.aclose()
             self._forwarder.release(incoming, result)
-
-    async def _to_owner(self, incoming: Incoming, routed: Routed, plan: Plan) -> Routed:
-        """A request naming a stored response goes to the backend that holds it: the one
-        remembered, else the one found by asking the healthy backends (router.locate)."""
-        arrival = incoming.arrival
-        ref = response_ref(arrival.method, arrival.path, incoming.payload)
-        if ref is None:
-            return routed
-        now = self._clock.now()
-        name = self._owners.owner(ref, now)
-        if name is None:
-            name = await self._locate(incoming, ref, plan)
-            if name is not None:
-                self._owners.remember(ref, name, self._clock.now())
-        owner = next((b for b in self._pools.backends() if b.name == name), None) if name is not None else None
-        if owner is None:
-            return routed  # held nowhere that answered, or no longer configured: as usual
-        decision = replace(routed.decision, pool=owner.pool, reason="response_affinity")
-        return replace(routed, decision=decision, backend=owner.name)
-
-    async def _locate(self, incoming: Incoming, ref: str, plan: Plan) -> str | None:
-        def headers(backend: Backend) -> list[tuple[str, str]]:
-            # What the request itself would carry there (its key or the backend's), under its own id.
-            return request_headers(
-                incoming.headers,
-                drop=plan.override_headers,
-                request_id=f"{incoming.arrival.request_id}-locate",
-                api_key=backend.api_key,
-                forward_authorization=plan.forward_authorization,
-            )
-
-        backends = [backend for backend in self._pools.backends() if backend.healthy]
-        credentials = incoming.headers.get("authorization", "")
-        name, result = await self._locator.locate(
-            ref, backends, headers, credentials=credentials, now=self._clock.now()
-        )
-        self._observer.located(result)
-        return name
-
-    def _note_owner(self, incoming: Incoming, answer: Answer, outcome: Outcome) -> None:
-        arrival = incoming.arrival
-        if outcome.status >= 400:
-            return
-        if outcome.response_id is not None and made_response(arrival.method, arrival.path):
-            self._owners.remember(outcome.response_id, answer.backend.name, self._clock.now())
-        elif arrival.method == "DELETE":
-            ref = response_ref(arrival.method, arrival.path, incoming.payload)
-            if ref is not None:
-                self._owners.forget(ref)
 
     async def _relay_stream(
         self,

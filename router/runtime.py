@@ -16,7 +16,7 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from yarl import URL
@@ -25,7 +25,7 @@ from router.affinity import ResponseOwners
 from router.backends import Backend, Pools
 from router.clients import Clients
 from router.clock import Clock, MonotonicClock
-from router.config import ConfigError, Settings, masked
+from router.config import Batch, ConfigError, Settings, masked
 from router.errors import BadRequest, Conflict, NotFound
 from router.forward import Forwarder
 from router.health import HealthChecker
@@ -35,6 +35,7 @@ from router.metrics import Metrics
 from router.models import ModelCatalog
 from router.observe import Observer
 from router.outlier import state_log
+from router.owners import Owners
 from router.pipeline import Pipeline
 from router.plan import Plan, compile_plan
 from router.scrape import EngineScraper
@@ -61,6 +62,13 @@ NEEDS_RESTART = (
 )
 
 
+class BatchParts(Protocol):
+    """The Batch API's parts (router.batch.service.BatchService): built with the router, which
+    they serve through, and given their section by `apply` like every other part."""
+
+    def configure(self, config: Batch) -> None: ...
+
+
 class Router:
     def __init__(
         self,
@@ -70,7 +78,9 @@ class Router:
         load: Callable[[], Settings] | None = None,
         build: BuildInfo | None = None,
         clock: Clock | None = None,
+        batches: Callable[[Router], BatchParts] | None = None,
     ) -> None:
+        """`batches` builds the Batch API's parts on this router (router.app); None: no Batch API."""
         self.build = build if build is not None else build_info()
         self._load = load  # where a reload reads the settings from; None: nowhere
         self.shutting_down = False
@@ -99,13 +109,15 @@ class Router:
             speeds=self.speeds,
             forwarder=Forwarder(self.pools, self.transport, observer, self.clock),
             observer=observer,
-            owners=self.owners,
-            locator=self.locator,
+            owners=Owners(
+                pools=self.pools, owners=self.owners, locator=self.locator, observer=observer, clock=self.clock
+            ),
             clock=self.clock,
         )
         self.catalog = ModelCatalog(self.pools, self.transport, clock=self.clock)
         self.health = HealthChecker(self.pools, self.transport, clock=self.clock)
         self.scraper = EngineScraper(self.pools, self.transport, clock=self.clock)
+        self.batches = batches(self) if batches is not None else None
         self._settings: Settings | None = None
         self.apply(settings)
 
@@ -190,7 +202,8 @@ class Router:
             | set(settings.metrics.models)
         )
         self.grace_seconds = settings.shutdown.grace_seconds
-        self.batch = settings.batch  # the Batch API's section (router.batch)
+        if self.batches is not None:
+            self.batches.configure(settings.batch)
         self.pipeline.plan = plan  # last, whole: a request takes the old plan or the new one
         self._settings = settings
         return {"changed": changed, "needs_restart": [key for key in changed if key.startswith(NEEDS_RESTART)]}

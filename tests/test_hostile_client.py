@@ -32,6 +32,7 @@ from router.app import create_app
 from router.config import Settings
 from tests.conftest import Cluster, settings_data
 from tests.servers import ServerThread
+from tests.wait import until, wait_until
 
 MakeCluster = Callable[..., AbstractContextManager[Cluster]]
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -225,13 +226,17 @@ async def test_connections_past_the_cap_are_refused_at_once_with_503(make_cluste
     with make_cluster(limits={"max_connections": 20}, timeouts={"request_head": 60}) as cluster:
         port = cluster.router.port
         idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(20)]
+
         # The router may take the idle connections a moment after the kernel did: probe until
         # it holds all 20 (a probe answered 200 went in before some of them, and left).
-        deadline = time.monotonic() + 10
-        while True:
+        async def healthz() -> int:
             status, _, _ = _parse(await _exchange(port, _request("/healthz", method="GET")))
-            if status == 503 or time.monotonic() > deadline:
-                break
+            return status
+
+        async def refused() -> bool:
+            return await healthz() == 503
+
+        await until(refused, timeout=10, interval=0, message="the router holding all 20 idle connections")
         raw = await _exchange(port, _request("/v1/chat/completions", _chat_body()))
         _error(raw, 503, "too_many_connections")
         assert _parse(raw)[1]["retry-after"] == "1"
@@ -239,9 +244,11 @@ async def test_connections_past_the_cap_are_refused_at_once_with_503(make_cluste
 
         for _, writer in idle:
             writer.close()
-        deadline = time.monotonic() + 10
-        while _parse(await _exchange(port, _request("/healthz", method="GET")))[0] != 200:
-            assert time.monotonic() < deadline, "still refused after the idle connections closed"
+
+        async def served() -> bool:
+            return await healthz() == 200
+
+        await until(served, timeout=10, interval=0, message="served once the idle connections closed")
         await asyncio.to_thread(_assert_unharmed, cluster)
 
 
@@ -343,10 +350,7 @@ def test_forwarded_addresses_are_distinct_clients_only_from_a_trusted_proxy(
             )
             sock.sendall(request)
             streams.append(sock)
-        deadline = time.monotonic() + 10
-        while cluster.fast.open < 2:
-            assert time.monotonic() < deadline, "the two streams did not start"
-            time.sleep(0.01)
+        wait_until(lambda: cluster.fast.open >= 2, timeout=10, message="the two streams started")
 
         def reason(address: str) -> str:
             answer = httpx.post(cluster.base_url + "/chat/completions", json=CHAT, headers={"x-forwarded-for": address})
@@ -418,7 +422,7 @@ def test_a_client_that_stops_reading_is_cut_off_after_client_write_and_frees_its
             reader.connect(("127.0.0.1", router.port))
             pinned = {"x-route-pool": "fast"}
             reader.sendall(_request("/v1/chat/completions", _chat_body(stream=True, max_tokens=10**9), headers=pinned))
-            _wait(lambda: engine.started == 1)
+            wait_until(lambda: engine.started == 1, timeout=10, message="the request at the engine")
 
             # The next client waits for the one slot, and gets it once the first is cut off.
             client = openai.OpenAI(
@@ -428,7 +432,9 @@ def test_a_client_that_stops_reading_is_cut_off_after_client_write_and_frees_its
                 model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
             )
             assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "x" * 16_384 * 3
-            _wait(lambda: engine.cancelled == 1)  # the first request was cancelled upstream
+            wait_until(
+                lambda: engine.cancelled == 1, timeout=10, message="cancelled upstream"
+            )  # the first request was cancelled upstream
 
             def value(name: str, **labels: str) -> float:
                 """The sum over the series that carry these labels (whatever their others)."""
@@ -439,7 +445,11 @@ def test_a_client_that_stops_reading_is_cut_off_after_client_write_and_frees_its
                     if sample.name == name and labels.items() <= sample.labels.items()
                 )
 
-            _wait(lambda: value("specroute_in_flight_requests", pool="fast", backend="fast-1") == 0)
+            wait_until(
+                lambda: value("specroute_in_flight_requests", pool="fast", backend="fast-1") == 0,
+                timeout=10,
+                message="nothing in flight",
+            )
             assert value("specroute_queued_requests", pool="fast", job_class="interactive") == 0
             assert (
                 value("specroute_requests_total", pool="fast", backend="fast-1", job_class="interactive", status="499")
@@ -453,13 +463,6 @@ def test_a_client_that_stops_reading_is_cut_off_after_client_write_and_frees_its
                     received += len(piece)
             assert received < 256 * 1024 * 1024
             reader.close()
-
-
-def _wait(condition: Callable[[], bool], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 # -- the path, byte for byte -----------------------------------------------------------------

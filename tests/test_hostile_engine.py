@@ -10,6 +10,7 @@ import asyncio
 import gzip
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from router.transport import KEEP_ALIVE_SECONDS
 from tests.conftest import _merge
 from tests.raw_engine import Exchange, RawEngine, answer_normally, completion, response
 from tests.servers import ServerThread
+from tests.wait import until
 
 MiB = 1024 * 1024
 
@@ -194,19 +196,28 @@ def test_101_from_the_engine_is_a_502() -> None:
 
 def test_a_late_extra_response_on_an_idle_pooled_connection_is_never_anyones_answer() -> None:
     late_sent = False
+    answered = threading.Event()  # the client has the first answer
+    routers: list[Routed] = []
+
+    def pooled() -> bool:
+        # The first answer has reached the client and its request is finished at the router,
+        # which closes the engine's response first: the connection is idle in the router's pool.
+        return answered.is_set() and routers[0].total("specroute_in_flight_requests", pool="p", backend="e") == 0
 
     async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         nonlocal late_sent
         writer.write(response(body=completion(exchange)))
         if exchange.index == 0:
             await writer.drain()
-            await asyncio.sleep(0.05)  # the connection is back in the router's pool by now
+            await until(pooled, message="the first answer's connection back in the router's pool")
             writer.write(response(body=answer_for("LATE")))
             late_sent = True
         return True
 
     with RawEngine(answer) as engine, routed(engine.url) as router:
+        routers.append(router)
         assert answer_text(router.ask("first")) == "first"
+        answered.set()
         assert engine.wait_for(lambda: late_sent)
         assert_own_answers(router)
         assert_recovered(router)

@@ -18,6 +18,15 @@ PACKAGE = ROOT / "router"
 
 # What the simulator may use of the router's package: the shared text helpers, nothing of the proxy.
 SIM_MAY_IMPORT = ("router.sim", "router.content", "router.prompts")
+# What the load generator may use of the router's package: the shared helpers (text, prompts, the
+# one percentile, the SSE stream watch), the simulator's profiles, and the demo that composes
+# router and simulator into the layouts it measures. Never the router's core directly.
+BENCH_MAY_IMPORT = (
+    "router.bench", "router.content", "router.prompts", "router.quantiles", "router.sse", "router.sim.profile",
+    "router.demo",
+)  # fmt: skip
+# The shared helpers the bench uses: nothing of the router's package behind them but each other.
+SHARED_HELPERS = ("router.content", "router.prompts", "router.quantiles", "router.sse", "router.sim.profile")
 # Network and concurrency: what a pure decision must not reach, even through another module.
 IO = (
     "asyncio", "socket", "ssl", "selectors", "http.client", "urllib.request", "anyio", "uvloop", "uvicorn",
@@ -77,12 +86,26 @@ def _reach(module: str) -> set[str]:
 def test_the_rules_see_the_package() -> None:
     assert {"router.cli", "router.demo", "router.sim.server", "router.classify", "router.bench.cli"} <= MODULES.keys()
     assert "router.content" in set(_imports("router.sim.protocol"))
+    assert {"router.sse", "router.sim.profile"} <= set(_imports("router.bench.load")) | set(
+        _imports("router.bench.cli")
+    )
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if _under(m, ("router.sim",))])
 def test_the_simulator_uses_only_the_shared_text_helpers(module: str) -> None:
     used = {name for name in _imports(module) if _under(name, ("router",)) and name != "router"}
     assert {name for name in used if not _under(name, SIM_MAY_IMPORT)} == set()
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if _under(m, ("router.bench",))])
+def test_the_bench_uses_only_the_shared_helpers_and_the_demo(module: str) -> None:
+    used = {name for name in _imports(module) if _under(name, ("router",)) and name != "router"}
+    assert {name for name in used if not _under(name, BENCH_MAY_IMPORT)} == set()
+
+
+@pytest.mark.parametrize("module", SHARED_HELPERS)
+def test_the_shared_helpers_reach_no_more_of_the_package(module: str) -> None:
+    assert {name for name in _reach(module) if not _under(name, SHARED_HELPERS)} == set()
 
 
 @pytest.mark.parametrize("module", DECISIONS)
@@ -115,6 +138,14 @@ def test_the_parts_take_their_own_sections_not_the_settings() -> None:
         and any(alias.name == "Settings" for alias in node.names)
     }
     assert holders <= SETTINGS_HOLDERS
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if _under(m, ("router.batch",))])
+def test_the_batch_parts_take_their_section_from_apply(module: str) -> None:
+    """The Batch API's section reaches its parts by `configure` from `Router.apply`, as every
+    other part's does; it once went as an attribute of the Router (`router.batch`), read there."""
+    tree = ast.parse(MODULES[module].read_text())
+    assert [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "batch"] == []
 
 
 def test_no_module_of_the_package_imports_itself_back() -> None:

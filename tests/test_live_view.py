@@ -4,8 +4,6 @@ for one, the last acceptance kept with its age, backend state changes in the log
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -18,16 +16,10 @@ from router.engines import EngineLoad
 from router.learn import SpeedModel
 from router.snapshot import snapshot
 from tests.conftest import Cluster
+from tests.wait import wait_until
 
 TTFT = "specroute_time_to_first_token_seconds_count"
 OLDEST = "specroute_oldest_waiting_first_token_seconds"
-
-
-def _until(condition: Callable[[], Any], timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return value
 
 
 def _summed(cluster: Cluster, name: str, **labels: str) -> float:
@@ -54,7 +46,10 @@ def test_first_token_time_is_recorded_when_the_first_token_arrives(cluster: Clus
         for line in lines:
             if '"content"' in line:
                 break
-        assert _until(lambda: _summed(cluster, TTFT, pool="fast", backend="fast-1") == 1)
+        assert wait_until(
+            lambda: _summed(cluster, TTFT, pool="fast", backend="fast-1") == 1,
+            message='_summed(cluster, TTFT, pool="fast", backend="fast-1") == 1',
+        )
         assert cluster.fast.open == 1  # ...while the request is still being served
         status = httpx.get(cluster.router.url + "/router/status").json()
         assert status["pools"]["fast"]["backends"]["fast-1"]["ttft_seconds"]["samples"] == 1
@@ -74,11 +69,20 @@ def test_the_oldest_stream_waiting_for_its_first_token_shows_while_it_waits(clus
         client.stream("POST", cluster.base_url + "/chat/completions", json=_stream_body(max_tokens=2)) as response,
     ):
         assert response.status_code == 200
-        assert _until(lambda: cluster.metric(OLDEST, pool="fast", backend="fast-1") > 0.05)
-        assert _until(lambda: status()["oldest_waiting_first_token_seconds"] > 0.05)
+        assert wait_until(
+            lambda: cluster.metric(OLDEST, pool="fast", backend="fast-1") > 0.05,
+            message='cluster.metric(OLDEST, pool="fast", backend="fast-1") > 0.05',
+        )
+        assert wait_until(
+            lambda: status()["oldest_waiting_first_token_seconds"] > 0.05,
+            message='status()["oldest_waiting_first_token_seconds"] > 0.05',
+        )
         assert cluster.metric(OLDEST, pool="team", backend="team-1") == 0
     # The client left: nothing waits any more.
-    assert _until(lambda: cluster.metric(OLDEST, pool="fast", backend="fast-1") == 0)
+    assert wait_until(
+        lambda: cluster.metric(OLDEST, pool="fast", backend="fast-1") == 0,
+        message='cluster.metric(OLDEST, pool="fast", backend="fast-1") == 0',
+    )
     assert status()["oldest_waiting_first_token_seconds"] == 0
     assert cluster.settled_metric("specroute_in_flight_requests", 0, pool="fast", backend="fast-1") == 0
 
@@ -98,13 +102,13 @@ def test_the_last_acceptance_is_kept_with_its_age_while_the_engine_idles(make_cl
     with make_cluster(scrape={"interval": 0.02, "stale_after": 1}) as cluster:
         engine = cluster.fast
         engine.metrics = _spec_counters(100, 150)
-        assert _until(lambda: engine.metrics_served >= 2)
+        assert wait_until(lambda: engine.metrics_served >= 2, message="engine.metrics_served >= 2")
         engine.metrics = _spec_counters(200, 390)  # 240 of the 300 drafted tokens accepted
         seen = engine.metrics_served
-        assert _until(lambda: engine.metrics_served >= seen + 2)
+        assert wait_until(lambda: engine.metrics_served >= seen + 2, message="engine.metrics_served >= seen + 2")
         # Idle from here on: nothing drafted, so no new reading of acceptance.
         seen = engine.metrics_served
-        assert _until(lambda: engine.metrics_served >= seen + 3)
+        assert wait_until(lambda: engine.metrics_served >= seen + 3, message="engine.metrics_served >= seen + 3")
         view = httpx.get(cluster.router.url + "/router/status").json()["pools"]["fast"]["backends"]["fast-1"]
         assert view["engine"]["acceptance"] == pytest.approx(0.8)
         assert view["engine"]["accept_length"] == pytest.approx(1 + 240 / 100)
@@ -177,13 +181,21 @@ def test_engine_readings_going_stale_and_fresh_again_are_logged(
             return [r for r in caplog.records if r.name == "specroute.backends" and text in r.getMessage()]
 
         cluster.fast.metrics = _spec_counters(1, 1)
-        assert _until(lambda: backend.engine.reading.scraped_at > 0)
+        assert wait_until(
+            lambda: backend.engine.reading.scraped_at > 0, message="backend.engine.reading.scraped_at > 0"
+        )
         cluster.fast.metrics = None  # /metrics now answers 404
         clock.advance(6)  # past stale_after since the last good reading
-        [stale] = _until(lambda: logged("backend fast-1 (pool fast) engine readings stale"))
+        [stale] = wait_until(
+            lambda: logged("backend fast-1 (pool fast) engine readings stale"),
+            message='logged("backend fast-1 (pool fast) engine readings stale")',
+        )
         assert stale.levelno == logging.WARNING and "/metrics answered 404" in stale.getMessage()
         cluster.fast.metrics = _spec_counters(1, 1)
-        assert _until(lambda: logged("backend fast-1 (pool fast) engine readings fresh again"))
+        assert wait_until(
+            lambda: logged("backend fast-1 (pool fast) engine readings fresh again"),
+            message='logged("backend fast-1 (pool fast) engine readings fresh again")',
+        )
         assert len(logged("engine readings stale")) == 1  # one line per change, not per scrape
 
 

@@ -21,17 +21,19 @@ import pytest
 from router.clock import ManualClock
 from router.logs import JsonFormatter, TextFormatter
 from tests.conftest import Cluster
+from tests.wait import wait_until
 
 # The access line's fields, in order (README, "Logs").
 ACCESS_FIELDS = "id path model client job reason pool backend status code retries queue_ms ttft_ms tokens duration_ms"
 
 
 def _records(caplog: pytest.LogCaptureFixture, count: int) -> list[logging.LogRecord]:
-    deadline = time.monotonic() + 2  # the router logs just after the last byte, in its own thread
-    while len(found := [r for r in caplog.records if r.name == "specroute.access"]) < count:
-        assert time.monotonic() < deadline, f"{len(found)} access lines, expected {count}"
-        time.sleep(0.005)
-    return found
+    def access() -> list[logging.LogRecord]:
+        found = [r for r in caplog.records if r.name == "specroute.access"]
+        return found if len(found) >= count else []
+
+    # The router logs just after the last byte, in its own thread.
+    return wait_until(access, timeout=2, interval=0.005, message=f"{count} access lines")
 
 
 def test_access_line_as_json_and_text(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
@@ -143,13 +145,12 @@ def test_demo_listens_where_the_environment_says_and_logs_json() -> None:
 
 
 def _wait_for_line(caplog: pytest.LogCaptureFixture, text: str) -> logging.LogRecord:
-    deadline = time.monotonic() + 5
-    while True:
-        found = [r for r in caplog.records if r.name == "specroute.backends" and text in r.getMessage()]
-        if found:
-            return found[0]
-        assert time.monotonic() < deadline, f"no log line with {text!r}"
-        time.sleep(0.01)
+    found = wait_until(
+        lambda: [r for r in caplog.records if r.name == "specroute.backends" and text in r.getMessage()],
+        timeout=5,
+        message=f"a log line with {text!r}",
+    )
+    return found[0]
 
 
 def test_backend_state_changes_are_logged_once_each(make_cluster: Any, caplog: pytest.LogCaptureFixture) -> None:
@@ -171,10 +172,7 @@ def test_backend_state_changes_are_logged_once_each(make_cluster: Any, caplog: p
         _wait_for_line(caplog, "backend fast-1 (pool fast) ejected for 10 s: 1 requests failed in a row")
         # Its probes pass, but it sits out the ejection time on the router's clock: no return yet.
         probes = cluster.fast.health_checks
-        deadline = time.monotonic() + 5
-        while cluster.fast.health_checks < probes + 3:
-            assert time.monotonic() < deadline, "the router stopped probing"
-            time.sleep(0.01)
+        wait_until(lambda: cluster.fast.health_checks >= probes + 3, timeout=5, message="the router probing")
         assert not [r for r in caplog.records if "returned" in r.getMessage()]
         # Back through its health checks once the ejection time is over, logged as a return.
         clock.advance(10)

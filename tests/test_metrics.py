@@ -6,7 +6,6 @@ import concurrent.futures
 import os
 import shutil
 import subprocess
-import time
 from typing import Any
 
 import httpx
@@ -14,6 +13,7 @@ import openai
 import pytest
 
 from tests.conftest import Cluster
+from tests.wait import wait_until
 
 promtool = shutil.which("promtool")
 INTERACTIVE = {"pool": "fast", "backend": "fast-1", "job_class": "interactive"}
@@ -121,10 +121,12 @@ def test_router_errors_carry_their_code(make_cluster: Any) -> None:
         assert cluster.settled_metric("specroute_requests_total", 1, **unrouted, status="400", code="invalid_json") == 1
         with concurrent.futures.ThreadPoolExecutor(2) as executor:
             slow = executor.submit(client.post, "/completions", json={"model": "test-model", "prompt": "x"})
-            deadline = time.monotonic() + 5
-            while cluster.metric("specroute_in_flight_requests", pool="fast", backend="fast-1") < 1:
-                assert time.monotonic() < deadline, "the first request never reached the engine"
-                time.sleep(0.005)
+            wait_until(
+                lambda: cluster.metric("specroute_in_flight_requests", pool="fast", backend="fast-1") >= 1,
+                timeout=5,
+                interval=0.005,
+                message="the first request at the engine",
+            )
             full = client.post(
                 "/completions", json={"model": "test-model", "prompt": "x"}, headers={"X-Route-Pool": "fast"}
             )

@@ -25,6 +25,7 @@ import pytest
 import trustme
 from pydantic import BaseModel
 
+from router.batch.service import BatchService
 from router.classify import Classification, RequestFacts
 from router.clock import ManualClock
 from router.config import Settings
@@ -120,6 +121,16 @@ def _held(router: Router) -> bool:
         return not done
 
     return asyncio.run(hold())
+
+
+def _router(settings: Settings) -> Router:
+    """A router as the app builds one, with the Batch API's parts (their store not opened)."""
+    return Router(settings, clock=ManualClock(), batches=lambda r: BatchService(r, clock=lambda: 0.0))
+
+
+def _batches(router: Router) -> BatchService:
+    assert isinstance(router.batches, BatchService)
+    return router.batches
 
 
 def _owner_after(router: Router, seconds: float, *, others: int = 0) -> str | None:
@@ -290,17 +301,17 @@ RELOADABLE: dict[str, tuple[Any, Observe | WithEngine]] = {
     "tls.client_key": ("<key>", lambda r: id(r.transport.tls)),
     "tls.verify": (False, lambda r: r.transport.tls.verify_mode),
     "metrics.models": (["glm-batch"], lambda r: r.known_models()),
-    "batch.max_file_bytes": (10, lambda r: r.batch.max_file_bytes),
-    "batch.max_storage_bytes": (10, lambda r: r.batch.max_storage_bytes),
-    "batch.max_lines": (10, lambda r: r.batch.max_lines),
-    "batch.max_concurrency": (2, lambda r: r.batch.max_concurrency),
-    "batch.reserve_slots": (2, lambda r: r.batch.reserve_slots),
-    "batch.poll_interval": (2.0, lambda r: r.batch.poll_interval),
-    "batch.ttft_rise": (3.0, lambda r: r.batch.ttft_rise),
-    "batch.lease_seconds": (2.0, lambda r: r.batch.lease_seconds),
-    "batch.max_attempts": (2, lambda r: r.batch.max_attempts),
-    "batch.retry_backoff": (2.0, lambda r: r.batch.retry_backoff),
-    "batch.upload_timeout": (2.0, lambda r: r.batch.upload_timeout),
+    "batch.max_file_bytes": (10, lambda r: _batches(r).config.max_file_bytes),
+    "batch.max_storage_bytes": (10, lambda r: _batches(r).config.max_storage_bytes),
+    "batch.max_lines": (10, lambda r: _batches(r).config.max_lines),
+    "batch.max_concurrency": (2, lambda r: _batches(r).config.max_concurrency),
+    "batch.reserve_slots": (2, lambda r: _batches(r).config.reserve_slots),
+    "batch.poll_interval": (2.0, lambda r: _batches(r).config.poll_interval),
+    "batch.ttft_rise": (3.0, lambda r: _batches(r).config.ttft_rise),
+    "batch.lease_seconds": (2.0, lambda r: _batches(r).config.lease_seconds),
+    "batch.max_attempts": (2, lambda r: _batches(r).config.max_attempts),
+    "batch.retry_backoff": (2.0, lambda r: _batches(r).config.retry_backoff),
+    "batch.upload_timeout": (2.0, lambda r: _batches(r).config.upload_timeout),
     "responses.affinity_seconds": (1.0, lambda r: _owner_after(r, 2.0)),
     "responses.affinity_max": (10, lambda r: _owner_after(r, 0.0, others=10)),
     "responses.locate_timeout": (0.25, lambda r: r.locator.timeout),
@@ -399,7 +410,7 @@ def test_a_reload_reaches_the_part_that_uses_the_setting(
         **{section: {k: pem.get(v, v) for k, v in extra.items()} for section, extra in BASE_FOR.get(key, {}).items()},
     }
     changed = {**_with(key, value), **{s: {**base[s], **_with(key, value).get(s, {})} for s in BASE_FOR.get(key, {})}}
-    router = Router(Settings.model_validate(_engine_at(base, url)), clock=ManualClock())
+    router = _router(Settings.model_validate(_engine_at(base, url)))
     before = observe(router)
     answer = router.apply(Settings.model_validate(_engine_at(changed, url)))
     name = key.replace("pools.*.backends.*", "pools.fast.backends.f1").replace("pools.*", "pools.fast")
@@ -413,7 +424,7 @@ def test_a_reload_names_the_settings_that_need_a_restart(key: str) -> None:
     extra = BASE_FOR.get(key, {})
     base = {**BASE, **extra}
     changed = {**_with(key, RESTART[key]), **{s: {**base[s], **_with(key, RESTART[key]).get(s, {})} for s in extra}}
-    router = Router(Settings.model_validate(_engine_at(base, "http://127.0.0.1:1")), clock=ManualClock())
+    router = _router(Settings.model_validate(_engine_at(base, "http://127.0.0.1:1")))
     answer = router.apply(Settings.model_validate(_engine_at(changed, "http://127.0.0.1:1")))
     assert answer["needs_restart"] == [key]
 
@@ -455,3 +466,31 @@ def test_a_request_under_way_keeps_the_settings_it_arrived_with(
         after = httpx.post(url, json=chat, timeout=30)
         assert after.status_code == 503 and after.json()["error"]["message"] == "overloaded"  # the engine's own
         assert len(cluster.team.requests) == 1
+
+
+def test_a_reload_reaches_a_running_batch_runner(tmp_path: Path) -> None:
+    """The runner reads the section the service hands on from `apply`: a reload reaches one
+    already running (max_concurrency, reserve_slots, poll_interval, ttft_rise, lease_seconds,
+    max_attempts, retry_backoff are read there), not only the service."""
+    base = {**BASE, "batch": {"store_dir": str(tmp_path)}}
+    changed = {**base, "batch": {"store_dir": str(tmp_path), "max_concurrency": 2, "lease_seconds": 2.0}}
+    router = _router(Settings.model_validate(_engine_at(base, "http://127.0.0.1:1")))
+    service = _batches(router)
+
+    async def reload_while_running() -> tuple[int, float]:
+        await service.start()
+        try:
+            router.apply(Settings.model_validate(_engine_at(changed, "http://127.0.0.1:1")))
+            return service.runner.config.max_concurrency, service.runner.config.lease_seconds
+        finally:
+            await service.stop()
+
+    assert asyncio.run(reload_while_running()) == (2, 2.0)
+
+
+def test_the_router_keeps_no_section_of_its_own() -> None:
+    """Every section goes to the part that uses it, through `apply`: nothing reads one off the
+    Router (the Batch API's section once went as `router.batch`, read by service and runner)."""
+    router = _router(Settings.model_validate(_engine_at(BASE, "http://127.0.0.1:1")))
+    held = {name for name, value in vars(router).items() if isinstance(value, BaseModel)}
+    assert held == {"_settings"}  # the settings last applied, for the restart-only sections

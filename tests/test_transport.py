@@ -207,10 +207,14 @@ async def test_chunks_keep_a_stream_alive_past_its_idle_timeout_until_they_stop(
     transport = _transport()
     async with raw_server(trickles) as (url, _, _):
         response = await _post(transport, url, timeouts=Timeouts(connect=1, read=10, idle=1.0))
-        received = []
-        with pytest.raises(ReadTimeout):
+        received: list[bytes] = []
+
+        async def drain() -> None:
             async for piece in response.iter_raw():
                 received.append(piece)
+
+        with pytest.raises(ReadTimeout):
+            await drain()
         assert b"".join(received) == b"a" * 24
         await response.aclose()
     await transport.aclose()

@@ -74,10 +74,11 @@ class Runner:
         self._ttft_seen: tuple[float, ...] = ()
         self._wake = anyio.Event()
         self.active: list[BatchRecord] = []  # as of the last tick, for the status page
+        self.configure(BatchConfig())
 
-    @property
-    def config(self) -> BatchConfig:
-        return self._router.batch
+    def configure(self, config: BatchConfig) -> None:
+        """The Batch API's section, handed on by the service from `Router.apply`; read where used."""
+        self.config = config
 
     def wake(self) -> None:
         """Look for work now (a batch was created or cancelled, a line finished)."""

@@ -40,13 +40,21 @@ class BatchService:
         self._store: Store | None = None
         self._runner: Runner | None = None
         self._task: asyncio.Task[None] | None = None
-        self._enabled = router.batch.enabled  # read once, like the store's settings
-        self._started_with = router.batch  # the store's settings, as the router started
+        self.config = BatchConfig()  # until `configure`, which the router's `apply` calls as it starts
+        self._enabled = False
+        self._started_with: BatchConfig | None = None  # the store's settings, as the router started
         self._unavailable: str | None = None  # why the store could not be opened
 
-    @property
-    def config(self) -> BatchConfig:
-        return self.router.batch
+    def configure(self, config: BatchConfig) -> None:
+        """The Batch API's section, from `Router.apply` at start and on every reload (the one path
+        of the settings). Whether the API is on and where its store is are taken the first time
+        only: they need a restart (runtime.NEEDS_RESTART)."""
+        if self._started_with is None:
+            self._started_with = config
+            self._enabled = config.enabled
+        self.config = config
+        if self._runner is not None:
+            self._runner.configure(config)
 
     @property
     def store(self) -> Store:
@@ -88,6 +96,7 @@ class BatchService:
             return False
         self._unavailable = None
         self._runner = runner = Runner(self.router, self._store, self.metrics, clock=self._clock)
+        runner.configure(self.config)
         self.metrics.in_flight = lambda: runner.in_flight
         return True
 
@@ -99,6 +108,7 @@ class BatchService:
 
     def _connect(self) -> Store:
         config = self._started_with  # as the router started: a reload cannot move the store
+        assert config is not None, "Router.apply configures the service as the router starts"
         if config.store == "sqlite":
             return SqliteStore(config.store_dir, clock=self._clock)
         dsn = config.postgres_dsn()
@@ -114,6 +124,7 @@ class BatchService:
     def _where(self) -> str:
         """The store, named for the status page and the log: never the DSN (it may hold a password)."""
         config = self._started_with
+        assert config is not None, "Router.apply configures the service as the router starts"
         if config.store == "sqlite":
             return str(SqliteStore.file(config.store_dir))
         return f"postgres (DSN in ${config.postgres_dsn_env})"
