@@ -19,9 +19,11 @@ from router.batch.service import REOPEN_SECONDS
 from tests.batches import batch_input
 from tests.conftest import Cluster
 from tests.timing import too_busy_to_time
+from tests.wait import until
 
 KEYS_ENV = "SPECROUTE_TEST_BATCH_KEYS"
 FAST = {"poll_interval": 0.05, "retry_backoff": 0.05}
+ENDED = ("completed", "cancelled", "expired", "failed")
 
 
 def _wait(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
@@ -34,9 +36,7 @@ def _wait(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
 
 def _finished(client: openai.OpenAI, batch_id: str, timeout: float = 20.0) -> Any:
     return _wait(
-        lambda: (
-            (b := client.batches.retrieve(batch_id)).status in ("completed", "cancelled", "expired", "failed") and b
-        ),
+        lambda: (b := client.batches.retrieve(batch_id)).status in ENDED and b,
         timeout,
     )
 
@@ -117,10 +117,8 @@ def test_a_line_the_engine_rejects_goes_to_the_error_file_async(keyed: Cluster) 
         batch = await client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
-        deadline = time.monotonic() + 20
-        while (batch := await client.batches.retrieve(batch.id)).status != "completed":
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+        batch = await _finished_async(client, batch.id)
+        assert batch.status == "completed"
         assert batch.request_counts is not None
         assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
         assert batch.output_file_id and batch.error_file_id
@@ -157,29 +155,46 @@ def test_a_line_answered_other_than_2xx_goes_to_the_error_file(
         assert len(cluster.team.requests) == sent
 
 
-@pytest.mark.parametrize(
-    ("content", "line", "why"),
-    [
-        (batch_input(2) + b"{not json\n", 3, "not valid JSON"),
-        (batch_input(2) + batch_input(1), 3, "custom_id 'r-0' is used more than once"),
-        (b'{"custom_id": "a", "method": "GET", "url": "/v1/chat/completions", "body": {}}\n', 1, "method must be POST"),
-        (b'{"custom_id": "a", "method": "POST", "url": "/v1/models", "body": {}}\n', 1, "url must be one of"),
-        (b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": []}\n', 1, "body must be"),
-        (b'\n{"method": "POST", "url": "/v1/embeddings", "body": {}}\n', 2, "custom_id must be"),
-        (batch_input(1, stream=True), 1, "streamed"),
-        (b"[1]\n", 1, "must be a JSON object"),
-        (batch_input(1) + b"[" * 100_000 + b"]" * 100_000 + b"\n", 2, "nested more than"),  # never a 500
-    ],
-)
+# A malformed input file, the line its 400 names, and why: for the sync and async SDK alike.
+MALFORMED = [
+    (batch_input(2) + b"{not json\n", 3, "not valid JSON"),
+    (batch_input(2) + batch_input(1), 3, "custom_id 'r-0' is used more than once"),
+    (b'{"custom_id": "a", "method": "GET", "url": "/v1/chat/completions", "body": {}}\n', 1, "method must be POST"),
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/models", "body": {}}\n', 1, "url must be one of"),
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": []}\n', 1, "body must be"),
+    (b'\n{"method": "POST", "url": "/v1/embeddings", "body": {}}\n', 2, "custom_id must be"),
+    (batch_input(1, stream=True), 1, "streamed"),
+    (b"[1]\n", 1, "must be a JSON object"),
+    (batch_input(1) + b"[" * 100_000 + b"]" * 100_000 + b"\n", 2, "nested more than"),  # never a 500
+]
+
+
+@pytest.mark.parametrize(("content", "line", "why"), MALFORMED)
 def test_a_malformed_file_is_400_naming_the_line(keyed: Cluster, content: bytes, line: int, why: str) -> None:
     client = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
     with pytest.raises(openai.BadRequestError) as caught:
         client.files.create(file=("bad.jsonl", content), purpose="batch")
-    error = caught.value.body
+    _assert_invalid_file(caught.value, line, why)
+    assert not list(client.files.list())  # nothing kept
+
+
+@pytest.mark.parametrize(("content", "line", "why"), MALFORMED)
+def test_a_malformed_file_is_400_naming_the_line_async(keyed: Cluster, content: bytes, line: int, why: str) -> None:
+    async def main() -> None:
+        async with openai.AsyncOpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.files.create(file=("bad.jsonl", content), purpose="batch")
+            _assert_invalid_file(caught.value, line, why)
+            assert not [f async for f in client.files.list()]  # nothing kept
+
+    asyncio.run(main())
+
+
+def _assert_invalid_file(caught: openai.BadRequestError, line: int, why: str) -> None:
+    error = caught.body
     assert isinstance(error, dict)
     assert error["message"].startswith(f"line {line}: ") and why in error["message"]
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "file", "invalid_file")
-    assert not list(client.files.list())  # nothing kept
 
 
 def test_a_list_cursor_naming_another_keys_file_says_nothing_of_it(keyed: Cluster) -> None:
@@ -207,14 +222,7 @@ def test_another_keys_files_and_batches_are_404(keyed: Cluster) -> None:
     bob = openai.OpenAI(base_url=keyed.base_url, api_key="bob-key", max_retries=0)
     uploaded = alice.files.create(file=("a.jsonl", batch_input(2)), purpose="batch")
     batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-    for attempt in (
-        lambda: bob.batches.retrieve(batch.id),
-        lambda: bob.batches.cancel(batch.id),
-        lambda: bob.files.retrieve(uploaded.id),
-        lambda: bob.files.content(uploaded.id),
-        lambda: bob.files.delete(uploaded.id),
-        lambda: bob.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"),
-    ):
+    for attempt in _foreign_attempts(bob, batch.id, uploaded.id):
         with pytest.raises(openai.NotFoundError):
             attempt()
     assert not bob.batches.list().data and not list(bob.files.list())
@@ -224,6 +232,57 @@ def test_another_keys_files_and_batches_are_404(keyed: Cluster) -> None:
         headers = {"authorization": f"Bearer {key}"} if key else {}
         answer = httpx.get(keyed.base_url + "/batches", headers=headers)
         assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_another_keys_files_and_batches_are_404_async(keyed: Cluster) -> None:
+    async def main() -> None:
+        alice = openai.AsyncOpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
+        bob = openai.AsyncOpenAI(base_url=keyed.base_url, api_key="bob-key", max_retries=0)
+        async with alice, bob:
+            uploaded = await alice.files.create(file=("a.jsonl", batch_input(2)), purpose="batch")
+            batch = await alice.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            for attempt in _foreign_attempts(bob, batch.id, uploaded.id):
+                with pytest.raises(openai.NotFoundError):
+                    await attempt()
+            assert not (await bob.batches.list()).data and not [f async for f in bob.files.list()]
+            assert (await _finished_async(alice, batch.id)).status == "completed"
+
+    asyncio.run(main())
+
+
+def _foreign_attempts(client: Any, batch_id: str, file_id: str) -> list[Callable[[], Any]]:
+    """Everything another key may try on a batch and file not its own (each a 404), for
+    `openai.OpenAI` or `openai.AsyncOpenAI` (then each returns what to await)."""
+    return [
+        lambda: client.batches.retrieve(batch_id),
+        lambda: client.batches.cancel(batch_id),
+        lambda: client.files.retrieve(file_id),
+        lambda: client.files.content(file_id),
+        lambda: client.files.delete(file_id),
+        lambda: client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"),
+    ]
+
+
+async def _finished_async(client: openai.AsyncOpenAI, batch_id: str) -> Any:
+    async def ended() -> Any:
+        batch = await client.batches.retrieve(batch_id)
+        return batch.status in ENDED and batch
+
+    return await until(ended, timeout=20, message=f"batch {batch_id} ended")
+
+
+async def _completed_at_least_async(client: openai.AsyncOpenAI, batch_id: str, lines: int) -> None:
+    async def done() -> bool:
+        counts = (await client.batches.retrieve(batch_id)).request_counts
+        return counts is not None and counts.completed >= lines
+
+    await until(done, timeout=20, message=f"{lines} lines of {batch_id} done")
+
+
+async def _files_async(client: openai.AsyncOpenAI, *file_ids: str | None) -> list[list[dict[str, Any]]]:
+    return [_jsonl((await client.files.content(file_id)).content) if file_id else [] for file_id in file_ids]
 
 
 def test_cancel_keeps_the_lines_done(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
@@ -238,14 +297,9 @@ def test_cancel_keeps_the_lines_done(make_cluster: Callable[..., AbstractContext
         cancelling = client.batches.cancel(batch.id)
         assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
         done = _finished(client, batch.id)
-        assert done.status == "cancelled" and done.cancelled_at is not None
-        counts = done.request_counts
-        assert counts is not None and 2 <= counts.completed < 40 and counts.failed == 0
         output = _jsonl(client.files.content(done.output_file_id).content)
         errors = _jsonl(client.files.content(done.error_file_id).content)
-        assert len(output) == counts.completed and len(output) + len(errors) == 40
-        assert {row["error"]["code"] for row in errors} == {"batch_cancelled"}
-        assert len(cluster.team.requests) == counts.completed  # nothing started after the cancel finished
+        _assert_cancelled(cluster, done, output, errors, 40)
         with pytest.raises(openai.ConflictError):
             client.batches.cancel(
                 _finished(
@@ -256,6 +310,41 @@ def test_cancel_keeps_the_lines_done(make_cluster: Callable[..., AbstractContext
                     timeout=30,
                 ).id
             )
+
+
+def test_cancel_keeps_the_lines_done_async(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
+    with make_cluster(batch={**FAST, "max_concurrency": 2}) as cluster:
+        cluster.team.token_delay = 0.05  # 4 tokens: 0.2 s a line
+
+        async def main() -> None:
+            async with openai.AsyncOpenAI(base_url=cluster.base_url, api_key="none", max_retries=0) as client:
+                uploaded = await client.files.create(file=("slow.jsonl", batch_input(40)), purpose="batch")
+                batch = await client.batches.create(
+                    input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+                await _completed_at_least_async(client, batch.id, 2)
+                cancelling = await client.batches.cancel(batch.id)
+                assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
+                done = await _finished_async(client, batch.id)
+                output, errors = await _files_async(client, done.output_file_id, done.error_file_id)
+                _assert_cancelled(cluster, done, output, errors, 40)
+                again = await client.batches.cancel(batch.id)  # cancelled already: answered as it is
+                assert again.status == "cancelled" and again.request_counts == done.request_counts
+
+        asyncio.run(main())
+
+
+def _assert_cancelled(
+    cluster: Cluster, done: Any, output: list[dict[str, Any]], errors: list[dict[str, Any]], lines: int
+) -> None:
+    """A batch of `lines` cancelled after two or more were done: those in the output, the rest
+    in the error file as not run, and nothing sent to the engine after the cancel finished."""
+    assert done.status == "cancelled" and done.cancelled_at is not None
+    counts = done.request_counts
+    assert counts is not None and 2 <= counts.completed < lines and counts.failed == 0
+    assert len(output) == counts.completed and len(output) + len(errors) == lines
+    assert {row["error"]["code"] for row in errors} == {"batch_cancelled"}
+    assert len(cluster.team.requests) == counts.completed
 
 
 class FakeClock:
@@ -281,14 +370,45 @@ def test_a_batch_expires_after_its_window_with_the_lines_done(
         assert client.batches.retrieve(batch.id).status == "in_progress"
         clock.now += 24 * 3600
         done = _finished(client, batch.id)
-        assert done.status == "expired" and done.expired_at == int(clock.now)
-        counts = done.request_counts
-        assert counts is not None and counts.completed >= 2 and counts.completed + counts.failed == 40
         output = _jsonl(client.files.content(done.output_file_id).content)
         errors = _jsonl(client.files.content(done.error_file_id).content)
-        assert len(output) == counts.completed and len(errors) == counts.failed
-        assert {row["error"]["code"] for row in errors} == {"batch_expired"}
-        assert {row["custom_id"] for row in output + errors} == {f"r-{i}" for i in range(40)}
+        _assert_expired(clock, done, output, errors, 40)
+
+
+def test_a_batch_expires_after_its_window_with_the_lines_done_async(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+) -> None:
+    clock = FakeClock()
+    with make_cluster(clock=clock, batch={**FAST, "max_concurrency": 2}) as cluster:
+        cluster.team.token_delay = 0.05
+
+        async def main() -> None:
+            async with openai.AsyncOpenAI(base_url=cluster.base_url, api_key="none", max_retries=0) as client:
+                uploaded = await client.files.create(file=("slow.jsonl", batch_input(40)), purpose="batch")
+                batch = await client.batches.create(
+                    input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+                await _completed_at_least_async(client, batch.id, 2)
+                assert (await client.batches.retrieve(batch.id)).status == "in_progress"
+                clock.now += 24 * 3600
+                done = await _finished_async(client, batch.id)
+                output, errors = await _files_async(client, done.output_file_id, done.error_file_id)
+                _assert_expired(clock, done, output, errors, 40)
+
+        asyncio.run(main())
+
+
+def _assert_expired(
+    clock: FakeClock, done: Any, output: list[dict[str, Any]], errors: list[dict[str, Any]], lines: int
+) -> None:
+    """A batch of `lines` expired (at `clock`'s time) with two or more done: those in the output,
+    the rest failed as `batch_expired`, every line once."""
+    assert done.status == "expired" and done.expired_at == int(clock.now)
+    counts = done.request_counts
+    assert counts is not None and counts.completed >= 2 and counts.completed + counts.failed == lines
+    assert len(output) == counts.completed and len(errors) == counts.failed
+    assert {row["error"]["code"] for row in errors} == {"batch_expired"}
+    assert {row["custom_id"] for row in output + errors} == {f"r-{i}" for i in range(lines)}
 
 
 def test_batches_take_turns(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
