@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -642,6 +643,101 @@ def test_the_batch_backs_off_when_live_requests_queue_on_its_pool(
         assert asyncio.run(burst()) == [200] * 12
         assert lowest <= 2, lowest  # halved at least twice while live requests waited
         done = _finished(client, batch.id, timeout=60)
+        assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 400
+
+
+def _grown_batch(cluster: Cluster, lines: int) -> tuple[openai.OpenAI, str]:
+    """A batch of `lines` running, once its concurrency limit has grown to 4 (nothing pushed back)."""
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+    uploaded = client.files.create(file=("a.jsonl", batch_input(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    _wait(lambda: cluster.metric("specroute_batch_concurrency_limit") >= 4)
+    return client, batch.id
+
+
+def test_the_batch_backs_off_when_live_first_tokens_slow(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+) -> None:
+    # Live streams one at a time, never more than the slots left: the pool never queues, and the
+    # engine reports no load (no /metrics), so the first-token rise is the only signal.
+    with make_cluster(batch={**FAST, "max_concurrency": 4, "ttft_rise": 2.0}) as cluster:
+        cluster.team.token_delay = 0.05  # a batch line: 4 tokens, 0.2 s
+        cluster.team.first_token_delay = 0.02
+        client, batch_id = _grown_batch(cluster, 400)
+        pools = cluster.app.state.router.pools
+
+        def live() -> None:
+            with httpx.stream(
+                "POST",
+                cluster.base_url + "/chat/completions",
+                headers={"x-route-pool": "team"},
+                json={
+                    "model": "test-model",
+                    "max_tokens": 1,
+                    "stream": True,
+                    "messages": [{"role": "user", "content": "live"}],
+                },
+                timeout=30,
+            ) as answer:
+                assert answer.status_code == 200
+                answer.read()
+
+        for _ in range(10):  # the floor: first tokens in 0.02 s
+            live()
+        assert cluster.metric("specroute_batch_concurrency_limit") >= 4
+        cluster.team.first_token_delay = 0.3  # 15 times the floor
+        # The limit halves as each slow first token comes, and grows back a line a tick: watched
+        # all along, from another thread.
+        lowest, queued, stop = [4.0], [0], threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                lowest[0] = min(lowest[0], cluster.metric("specroute_batch_concurrency_limit"))
+                queued[0] = max(queued[0], pools["team"].queued())
+                stop.wait(0.005)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            for _ in range(12):
+                live()
+        finally:
+            stop.set()
+            watcher.join()
+        assert queued[0] == 0
+        assert lowest[0] <= 2, lowest  # halved at least once as the live p50 rose
+        cluster.team.first_token_delay = 0.0
+        done = _finished(client, batch_id, timeout=90)
+        assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 400
+
+
+def _engine_load(waiting: int) -> str:
+    """An engine's /metrics as vLLM writes it: its running and waiting requests."""
+    return (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="test-model"} 4.0\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f'vllm:num_requests_waiting{{engine="0",model_name="test-model"}} {waiting}.0\n'
+    )
+
+
+def test_the_batch_backs_off_while_its_engines_report_waiting_requests(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+) -> None:
+    # No live traffic at all: only the engine's own report of requests waiting pushes back.
+    with make_cluster(batch={**FAST, "max_concurrency": 4}, scrape={"interval": 0.05}) as cluster:
+        cluster.team.token_delay = 0.05
+        cluster.team.metrics = _engine_load(0)
+        client, batch_id = _grown_batch(cluster, 400)
+        cluster.team.metrics = _engine_load(3)
+        _wait(lambda: cluster.metric("specroute_batch_concurrency_limit") == 1, timeout=10)
+        # And it stays down while they wait: checked over some ticks of the runner.
+        seen = cluster.team.metrics_served
+        _wait(lambda: cluster.team.metrics_served >= seen + 5)
+        assert cluster.metric("specroute_batch_concurrency_limit") <= 2
+        cluster.team.metrics = _engine_load(0)
+        _wait(lambda: cluster.metric("specroute_batch_concurrency_limit") >= 3)  # growing again
+        done = _finished(client, batch_id, timeout=90)
         assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 400
 
 
