@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from router.batch.runner import RATE_WINDOW
 from router.batch.service import REOPEN_SECONDS
 from tests.batches import batch_input
 from tests.conftest import Cluster
@@ -410,6 +411,32 @@ def _assert_expired(
     assert len(output) == counts.completed and len(errors) == counts.failed
     assert {row["error"]["code"] for row in errors} == {"batch_expired"}
     assert {row["custom_id"] for row in output + errors} == {f"r-{i}" for i in range(lines)}
+
+
+def test_the_status_page_counts_lines_and_lines_per_second(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+) -> None:
+    clock = FakeClock()  # lines per second is read off the batches' clock: this one moves when told
+    with make_cluster(clock=clock, batch=FAST) as cluster:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        content = batch_input(11) + batch_input(1, prefix="bad", model="no-such-model")
+        uploaded = client.files.create(file=("a.jsonl", content), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert _finished(client, batch.id).status == "completed"
+
+        def status() -> dict[str, Any]:
+            return dict(httpx.get(cluster.router.url + "/router/status").json()["batches"])
+
+        assert status()["lines"] == {"completed": 11, "failed": 1}
+        assert status()["lines_per_second"] == round(12 / RATE_WINDOW, 3)  # all 12 in the window
+        assert cluster.metric("specroute_batch_lines_per_second") == pytest.approx(12 / RATE_WINDOW)
+        clock.now += RATE_WINDOW / 2
+        assert status()["lines_per_second"] == round(12 / RATE_WINDOW, 3)
+        clock.now += RATE_WINDOW / 2 + 1  # the lines are over a window old
+        assert status()["lines_per_second"] == 0 and cluster.metric("specroute_batch_lines_per_second") == 0
+        assert status()["lines"] == {"completed": 11, "failed": 1}  # totals stay
 
 
 def test_batches_take_turns(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
