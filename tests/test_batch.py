@@ -528,6 +528,38 @@ def test_file_and_storage_limits(monkeypatch: pytest.MonkeyPatch, make_cluster: 
         assert len(list(client.files.list())) == 1
 
 
+def test_storage_counts_a_batchs_lines_and_its_output_files(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+) -> None:
+    ten, six = batch_input(10), batch_input(6)
+    limit = len(ten) + len(six)  # the two files fit exactly, with nothing else kept
+    with make_cluster(batch={**FAST, "max_storage_bytes": limit}) as cluster:
+        gate = threading.Event()
+        cluster.team.gate = gate  # the lines wait in the engine: the batch stays unfinished
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+
+        def full(content: bytes) -> None:
+            with pytest.raises(openai.APIStatusError) as caught:
+                client.files.create(file=("b.jsonl", content), purpose="batch")
+            assert caught.value.status_code == 413 and caught.value.code == "storage_full"
+
+        uploaded = client.files.create(file=("a.jsonl", ten), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        _wait(lambda: cluster.team.open >= 1)
+        full(six)  # the batch's copy of its ten lines takes room
+        gate.set()
+        done = _finished(client, batch.id)
+        assert done.status == "completed" and done.output_file_id is not None
+        output = client.files.retrieve(done.output_file_id)
+        assert output.bytes > len(six)  # ten answers, each longer than its request
+        full(batch_input(1))  # the output file counts; the lines' copies are gone with the batch done
+        client.files.delete(done.output_file_id)
+        assert client.files.create(file=("b.jsonl", six), purpose="batch").bytes == len(six)
+        full(batch_input(1))
+
+
 def test_batch_lines_leave_room_for_live_requests(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
     with make_cluster(batch={**FAST, "reserve_slots": 2}) as cluster:
         cluster.team.token_delay = 0.02
