@@ -136,6 +136,29 @@ def test_a_line_the_engine_rejects_goes_to_the_error_file_async(keyed: Cluster) 
     assert keyed.settled_metric("specroute_batch_lines_total", 1, result="failed") == 1
 
 
+def test_a_line_whose_url_is_not_the_batchs_endpoint_makes_it_failed(keyed: Cluster) -> None:
+    client = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
+    content = batch_input(2) + batch_input(1, prefix="e", url="/v1/embeddings") + batch_input(1, prefix="c", url="/v1/completions")
+    uploaded = client.files.create(file=("mixed.jsonl", content), purpose="batch")  # each line is valid
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.status == "failed" and batch.failed_at == batch.created_at
+    assert batch.errors is not None and batch.errors.data is not None
+    assert [(e.code, e.line, e.param) for e in batch.errors.data] == [
+        ("invalid_url", 3, "url"),
+        ("invalid_url", 4, "url"),
+    ]
+    assert batch.errors.data[0].message is not None and "'/v1/embeddings'" in batch.errors.data[0].message
+    # The runner has looked (its count of batches shows it), and leaves it as it is: nothing run.
+    _wait(lambda: httpx.get(keyed.router.url + "/router/status").json()["batches"]["by_status"].get("failed") == 1)
+    again = client.batches.retrieve(batch.id)
+    assert again.status == "failed" and again.in_progress_at is None
+    assert again.output_file_id is None and again.error_file_id is None
+    assert again.request_counts is not None and again.request_counts.total == 0
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+    assert not keyed.team.requests and not keyed.fast.requests
+
+
 @pytest.mark.parametrize(("status", "sent"), [(302, 1), (429, 2)])
 def test_a_line_answered_other_than_2xx_goes_to_the_error_file(
     make_cluster: Callable[..., AbstractContextManager[Cluster]], status: int, sent: int
