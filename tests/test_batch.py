@@ -138,7 +138,8 @@ def test_a_line_the_engine_rejects_goes_to_the_error_file_async(keyed: Cluster) 
 
 def test_a_line_whose_url_is_not_the_batchs_endpoint_makes_it_failed(keyed: Cluster) -> None:
     client = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
-    content = batch_input(2) + batch_input(1, prefix="e", url="/v1/embeddings") + batch_input(1, prefix="c", url="/v1/completions")
+    elsewhere = batch_input(1, prefix="e", url="/v1/embeddings") + batch_input(1, prefix="c", url="/v1/completions")
+    content = batch_input(2) + elsewhere
     uploaded = client.files.create(file=("mixed.jsonl", content), purpose="batch")  # each line is valid
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert batch.status == "failed" and batch.failed_at == batch.created_at
