@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -15,13 +16,16 @@ import httpx
 import openai
 import pytest
 
+from router.batch.runner import RATE_WINDOW
 from router.batch.service import REOPEN_SECONDS
 from tests.batches import batch_input
 from tests.conftest import Cluster
 from tests.timing import too_busy_to_time
+from tests.wait import until
 
 KEYS_ENV = "SPECROUTE_TEST_BATCH_KEYS"
 FAST = {"poll_interval": 0.05, "retry_backoff": 0.05}
+ENDED = ("completed", "cancelled", "expired", "failed")
 
 
 def _wait(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
@@ -34,9 +38,7 @@ def _wait(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
 
 def _finished(client: openai.OpenAI, batch_id: str, timeout: float = 20.0) -> Any:
     return _wait(
-        lambda: (
-            (b := client.batches.retrieve(batch_id)).status in ("completed", "cancelled", "expired", "failed") and b
-        ),
+        lambda: (b := client.batches.retrieve(batch_id)).status in ENDED and b,
         timeout,
     )
 
@@ -117,10 +119,8 @@ def test_a_line_the_engine_rejects_goes_to_the_error_file_async(keyed: Cluster) 
         batch = await client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
-        deadline = time.monotonic() + 20
-        while (batch := await client.batches.retrieve(batch.id)).status != "completed":
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+        batch = await _finished_async(client, batch.id)
+        assert batch.status == "completed"
         assert batch.request_counts is not None
         assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
         assert batch.output_file_id and batch.error_file_id
@@ -134,6 +134,30 @@ def test_a_line_the_engine_rejects_goes_to_the_error_file_async(keyed: Cluster) 
 
     asyncio.run(main())
     assert keyed.settled_metric("specroute_batch_lines_total", 1, result="failed") == 1
+
+
+def test_a_line_whose_url_is_not_the_batchs_endpoint_makes_it_failed(keyed: Cluster) -> None:
+    client = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
+    elsewhere = batch_input(1, prefix="e", url="/v1/embeddings") + batch_input(1, prefix="c", url="/v1/completions")
+    content = batch_input(2) + elsewhere
+    uploaded = client.files.create(file=("mixed.jsonl", content), purpose="batch")  # each line is valid
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.status == "failed" and batch.failed_at == batch.created_at
+    assert batch.errors is not None and batch.errors.data is not None
+    assert [(e.code, e.line, e.param) for e in batch.errors.data] == [
+        ("invalid_url", 3, "url"),
+        ("invalid_url", 4, "url"),
+    ]
+    assert batch.errors.data[0].message is not None and "'/v1/embeddings'" in batch.errors.data[0].message
+    # The runner has looked (its count of batches shows it), and leaves it as it is: nothing run.
+    _wait(lambda: httpx.get(keyed.router.url + "/router/status").json()["batches"]["by_status"].get("failed") == 1)
+    again = client.batches.retrieve(batch.id)
+    assert again.status == "failed" and again.in_progress_at is None
+    assert again.output_file_id is None and again.error_file_id is None
+    assert again.request_counts is not None and again.request_counts.total == 0
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+    assert not keyed.team.requests and not keyed.fast.requests
 
 
 @pytest.mark.parametrize(("status", "sent"), [(302, 1), (429, 2)])
@@ -157,29 +181,46 @@ def test_a_line_answered_other_than_2xx_goes_to_the_error_file(
         assert len(cluster.team.requests) == sent
 
 
-@pytest.mark.parametrize(
-    ("content", "line", "why"),
-    [
-        (batch_input(2) + b"{not json\n", 3, "not valid JSON"),
-        (batch_input(2) + batch_input(1), 3, "custom_id 'r-0' is used more than once"),
-        (b'{"custom_id": "a", "method": "GET", "url": "/v1/chat/completions", "body": {}}\n', 1, "method must be POST"),
-        (b'{"custom_id": "a", "method": "POST", "url": "/v1/models", "body": {}}\n', 1, "url must be one of"),
-        (b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": []}\n', 1, "body must be"),
-        (b'\n{"method": "POST", "url": "/v1/embeddings", "body": {}}\n', 2, "custom_id must be"),
-        (batch_input(1, stream=True), 1, "streamed"),
-        (b"[1]\n", 1, "must be a JSON object"),
-        (batch_input(1) + b"[" * 100_000 + b"]" * 100_000 + b"\n", 2, "nested more than"),  # never a 500
-    ],
-)
+# A malformed input file, the line its 400 names, and why: for the sync and async SDK alike.
+MALFORMED = [
+    (batch_input(2) + b"{not json\n", 3, "not valid JSON"),
+    (batch_input(2) + batch_input(1), 3, "custom_id 'r-0' is used more than once"),
+    (b'{"custom_id": "a", "method": "GET", "url": "/v1/chat/completions", "body": {}}\n', 1, "method must be POST"),
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/models", "body": {}}\n', 1, "url must be one of"),
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": []}\n', 1, "body must be"),
+    (b'\n{"method": "POST", "url": "/v1/embeddings", "body": {}}\n', 2, "custom_id must be"),
+    (batch_input(1, stream=True), 1, "streamed"),
+    (b"[1]\n", 1, "must be a JSON object"),
+    (batch_input(1) + b"[" * 100_000 + b"]" * 100_000 + b"\n", 2, "nested more than"),  # never a 500
+]
+
+
+@pytest.mark.parametrize(("content", "line", "why"), MALFORMED)
 def test_a_malformed_file_is_400_naming_the_line(keyed: Cluster, content: bytes, line: int, why: str) -> None:
     client = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
     with pytest.raises(openai.BadRequestError) as caught:
         client.files.create(file=("bad.jsonl", content), purpose="batch")
-    error = caught.value.body
+    _assert_invalid_file(caught.value, line, why)
+    assert not list(client.files.list())  # nothing kept
+
+
+@pytest.mark.parametrize(("content", "line", "why"), MALFORMED)
+def test_a_malformed_file_is_400_naming_the_line_async(keyed: Cluster, content: bytes, line: int, why: str) -> None:
+    async def main() -> None:
+        async with openai.AsyncOpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.files.create(file=("bad.jsonl", content), purpose="batch")
+            _assert_invalid_file(caught.value, line, why)
+            assert not [f async for f in client.files.list()]  # nothing kept
+
+    asyncio.run(main())
+
+
+def _assert_invalid_file(caught: openai.BadRequestError, line: int, why: str) -> None:
+    error = caught.body
     assert isinstance(error, dict)
     assert error["message"].startswith(f"line {line}: ") and why in error["message"]
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "file", "invalid_file")
-    assert not list(client.files.list())  # nothing kept
 
 
 def test_a_list_cursor_naming_another_keys_file_says_nothing_of_it(keyed: Cluster) -> None:
@@ -207,14 +248,7 @@ def test_another_keys_files_and_batches_are_404(keyed: Cluster) -> None:
     bob = openai.OpenAI(base_url=keyed.base_url, api_key="bob-key", max_retries=0)
     uploaded = alice.files.create(file=("a.jsonl", batch_input(2)), purpose="batch")
     batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-    for attempt in (
-        lambda: bob.batches.retrieve(batch.id),
-        lambda: bob.batches.cancel(batch.id),
-        lambda: bob.files.retrieve(uploaded.id),
-        lambda: bob.files.content(uploaded.id),
-        lambda: bob.files.delete(uploaded.id),
-        lambda: bob.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"),
-    ):
+    for attempt in _foreign_attempts(bob, batch.id, uploaded.id):
         with pytest.raises(openai.NotFoundError):
             attempt()
     assert not bob.batches.list().data and not list(bob.files.list())
@@ -224,6 +258,57 @@ def test_another_keys_files_and_batches_are_404(keyed: Cluster) -> None:
         headers = {"authorization": f"Bearer {key}"} if key else {}
         answer = httpx.get(keyed.base_url + "/batches", headers=headers)
         assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_another_keys_files_and_batches_are_404_async(keyed: Cluster) -> None:
+    async def main() -> None:
+        alice = openai.AsyncOpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
+        bob = openai.AsyncOpenAI(base_url=keyed.base_url, api_key="bob-key", max_retries=0)
+        async with alice, bob:
+            uploaded = await alice.files.create(file=("a.jsonl", batch_input(2)), purpose="batch")
+            batch = await alice.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            for attempt in _foreign_attempts(bob, batch.id, uploaded.id):
+                with pytest.raises(openai.NotFoundError):
+                    await attempt()
+            assert not (await bob.batches.list()).data and not [f async for f in bob.files.list()]
+            assert (await _finished_async(alice, batch.id)).status == "completed"
+
+    asyncio.run(main())
+
+
+def _foreign_attempts(client: Any, batch_id: str, file_id: str) -> list[Callable[[], Any]]:
+    """Everything another key may try on a batch and file not its own (each a 404), for
+    `openai.OpenAI` or `openai.AsyncOpenAI` (then each returns what to await)."""
+    return [
+        lambda: client.batches.retrieve(batch_id),
+        lambda: client.batches.cancel(batch_id),
+        lambda: client.files.retrieve(file_id),
+        lambda: client.files.content(file_id),
+        lambda: client.files.delete(file_id),
+        lambda: client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"),
+    ]
+
+
+async def _finished_async(client: openai.AsyncOpenAI, batch_id: str) -> Any:
+    async def ended() -> Any:
+        batch = await client.batches.retrieve(batch_id)
+        return batch.status in ENDED and batch
+
+    return await until(ended, timeout=20, message=f"batch {batch_id} ended")
+
+
+async def _completed_at_least_async(client: openai.AsyncOpenAI, batch_id: str, lines: int) -> None:
+    async def done() -> bool:
+        counts = (await client.batches.retrieve(batch_id)).request_counts
+        return counts is not None and counts.completed >= lines
+
+    await until(done, timeout=20, message=f"{lines} lines of {batch_id} done")
+
+
+async def _files_async(client: openai.AsyncOpenAI, *file_ids: str | None) -> list[list[dict[str, Any]]]:
+    return [_jsonl((await client.files.content(file_id)).content) if file_id else [] for file_id in file_ids]
 
 
 def test_cancel_keeps_the_lines_done(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
@@ -238,14 +323,9 @@ def test_cancel_keeps_the_lines_done(make_cluster: Callable[..., AbstractContext
         cancelling = client.batches.cancel(batch.id)
         assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
         done = _finished(client, batch.id)
-        assert done.status == "cancelled" and done.cancelled_at is not None
-        counts = done.request_counts
-        assert counts is not None and 2 <= counts.completed < 40 and counts.failed == 0
         output = _jsonl(client.files.content(done.output_file_id).content)
         errors = _jsonl(client.files.content(done.error_file_id).content)
-        assert len(output) == counts.completed and len(output) + len(errors) == 40
-        assert {row["error"]["code"] for row in errors} == {"batch_cancelled"}
-        assert len(cluster.team.requests) == counts.completed  # nothing started after the cancel finished
+        _assert_cancelled(cluster, done, output, errors, 40)
         with pytest.raises(openai.ConflictError):
             client.batches.cancel(
                 _finished(
@@ -256,6 +336,41 @@ def test_cancel_keeps_the_lines_done(make_cluster: Callable[..., AbstractContext
                     timeout=30,
                 ).id
             )
+
+
+def test_cancel_keeps_the_lines_done_async(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
+    with make_cluster(batch={**FAST, "max_concurrency": 2}) as cluster:
+        cluster.team.token_delay = 0.05  # 4 tokens: 0.2 s a line
+
+        async def main() -> None:
+            async with openai.AsyncOpenAI(base_url=cluster.base_url, api_key="none", max_retries=0) as client:
+                uploaded = await client.files.create(file=("slow.jsonl", batch_input(40)), purpose="batch")
+                batch = await client.batches.create(
+                    input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+                await _completed_at_least_async(client, batch.id, 2)
+                cancelling = await client.batches.cancel(batch.id)
+                assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
+                done = await _finished_async(client, batch.id)
+                output, errors = await _files_async(client, done.output_file_id, done.error_file_id)
+                _assert_cancelled(cluster, done, output, errors, 40)
+                again = await client.batches.cancel(batch.id)  # cancelled already: answered as it is
+                assert again.status == "cancelled" and again.request_counts == done.request_counts
+
+        asyncio.run(main())
+
+
+def _assert_cancelled(
+    cluster: Cluster, done: Any, output: list[dict[str, Any]], errors: list[dict[str, Any]], lines: int
+) -> None:
+    """A batch of `lines` cancelled after two or more were done: those in the output, the rest
+    in the error file as not run, and nothing sent to the engine after the cancel finished."""
+    assert done.status == "cancelled" and done.cancelled_at is not None
+    counts = done.request_counts
+    assert counts is not None and 2 <= counts.completed < lines and counts.failed == 0
+    assert len(output) == counts.completed and len(output) + len(errors) == lines
+    assert {row["error"]["code"] for row in errors} == {"batch_cancelled"}
+    assert len(cluster.team.requests) == counts.completed
 
 
 class FakeClock:
@@ -281,14 +396,71 @@ def test_a_batch_expires_after_its_window_with_the_lines_done(
         assert client.batches.retrieve(batch.id).status == "in_progress"
         clock.now += 24 * 3600
         done = _finished(client, batch.id)
-        assert done.status == "expired" and done.expired_at == int(clock.now)
-        counts = done.request_counts
-        assert counts is not None and counts.completed >= 2 and counts.completed + counts.failed == 40
         output = _jsonl(client.files.content(done.output_file_id).content)
         errors = _jsonl(client.files.content(done.error_file_id).content)
-        assert len(output) == counts.completed and len(errors) == counts.failed
-        assert {row["error"]["code"] for row in errors} == {"batch_expired"}
-        assert {row["custom_id"] for row in output + errors} == {f"r-{i}" for i in range(40)}
+        _assert_expired(clock, done, output, errors, 40)
+
+
+def test_a_batch_expires_after_its_window_with_the_lines_done_async(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+) -> None:
+    clock = FakeClock()
+    with make_cluster(clock=clock, batch={**FAST, "max_concurrency": 2}) as cluster:
+        cluster.team.token_delay = 0.05
+
+        async def main() -> None:
+            async with openai.AsyncOpenAI(base_url=cluster.base_url, api_key="none", max_retries=0) as client:
+                uploaded = await client.files.create(file=("slow.jsonl", batch_input(40)), purpose="batch")
+                batch = await client.batches.create(
+                    input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+                await _completed_at_least_async(client, batch.id, 2)
+                assert (await client.batches.retrieve(batch.id)).status == "in_progress"
+                clock.now += 24 * 3600
+                done = await _finished_async(client, batch.id)
+                output, errors = await _files_async(client, done.output_file_id, done.error_file_id)
+                _assert_expired(clock, done, output, errors, 40)
+
+        asyncio.run(main())
+
+
+def _assert_expired(
+    clock: FakeClock, done: Any, output: list[dict[str, Any]], errors: list[dict[str, Any]], lines: int
+) -> None:
+    """A batch of `lines` expired (at `clock`'s time) with two or more done: those in the output,
+    the rest failed as `batch_expired`, every line once."""
+    assert done.status == "expired" and done.expired_at == int(clock.now)
+    counts = done.request_counts
+    assert counts is not None and counts.completed >= 2 and counts.completed + counts.failed == lines
+    assert len(output) == counts.completed and len(errors) == counts.failed
+    assert {row["error"]["code"] for row in errors} == {"batch_expired"}
+    assert {row["custom_id"] for row in output + errors} == {f"r-{i}" for i in range(lines)}
+
+
+def test_the_status_page_counts_lines_and_lines_per_second(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+) -> None:
+    clock = FakeClock()  # lines per second is read off the batches' clock: this one moves when told
+    with make_cluster(clock=clock, batch=FAST) as cluster:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        content = batch_input(11) + batch_input(1, prefix="bad", model="no-such-model")
+        uploaded = client.files.create(file=("a.jsonl", content), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert _finished(client, batch.id).status == "completed"
+
+        def status() -> dict[str, Any]:
+            return dict(httpx.get(cluster.router.url + "/router/status").json()["batches"])
+
+        assert status()["lines"] == {"completed": 11, "failed": 1}
+        assert status()["lines_per_second"] == round(12 / RATE_WINDOW, 3)  # all 12 in the window
+        assert cluster.metric("specroute_batch_lines_per_second") == pytest.approx(12 / RATE_WINDOW)
+        clock.now += RATE_WINDOW / 2
+        assert status()["lines_per_second"] == round(12 / RATE_WINDOW, 3)
+        clock.now += RATE_WINDOW / 2 + 1  # the lines are over a window old
+        assert status()["lines_per_second"] == 0 and cluster.metric("specroute_batch_lines_per_second") == 0
+        assert status()["lines"] == {"completed": 11, "failed": 1}  # totals stay
 
 
 def test_batches_take_turns(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
@@ -378,6 +550,38 @@ def test_file_and_storage_limits(monkeypatch: pytest.MonkeyPatch, make_cluster: 
             client.files.create(file=("b.jsonl", batch_input(3)), purpose="batch")
         assert caught.value.status_code == 413 and caught.value.code == "storage_full"
         assert len(list(client.files.list())) == 1
+
+
+def test_storage_counts_a_batchs_lines_and_its_output_files(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+) -> None:
+    ten, six = batch_input(10), batch_input(6)
+    limit = len(ten) + len(six)  # the two files fit exactly, with nothing else kept
+    with make_cluster(batch={**FAST, "max_storage_bytes": limit}) as cluster:
+        gate = threading.Event()
+        cluster.team.gate = gate  # the lines wait in the engine: the batch stays unfinished
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+
+        def full(content: bytes) -> None:
+            with pytest.raises(openai.APIStatusError) as caught:
+                client.files.create(file=("b.jsonl", content), purpose="batch")
+            assert caught.value.status_code == 413 and caught.value.code == "storage_full"
+
+        uploaded = client.files.create(file=("a.jsonl", ten), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        _wait(lambda: cluster.team.open >= 1)
+        full(six)  # the batch's copy of its ten lines takes room
+        gate.set()
+        done = _finished(client, batch.id)
+        assert done.status == "completed" and done.output_file_id is not None
+        output = client.files.retrieve(done.output_file_id)
+        assert output.bytes > len(six)  # ten answers, each longer than its request
+        full(batch_input(1))  # the output file counts; the lines' copies are gone with the batch done
+        client.files.delete(done.output_file_id)
+        assert client.files.create(file=("b.jsonl", six), purpose="batch").bytes == len(six)
+        full(batch_input(1))
 
 
 def test_batch_lines_leave_room_for_live_requests(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
@@ -522,6 +726,101 @@ def test_the_batch_backs_off_when_live_requests_queue_on_its_pool(
         assert asyncio.run(burst()) == [200] * 12
         assert lowest <= 2, lowest  # halved at least twice while live requests waited
         done = _finished(client, batch.id, timeout=60)
+        assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 400
+
+
+def _grown_batch(cluster: Cluster, lines: int) -> tuple[openai.OpenAI, str]:
+    """A batch of `lines` running, once its concurrency limit has grown to 4 (nothing pushed back)."""
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+    uploaded = client.files.create(file=("a.jsonl", batch_input(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    _wait(lambda: cluster.metric("specroute_batch_concurrency_limit") >= 4)
+    return client, batch.id
+
+
+def test_the_batch_backs_off_when_live_first_tokens_slow(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+) -> None:
+    # Live streams one at a time, never more than the slots left: the pool never queues, and the
+    # engine reports no load (no /metrics), so the first-token rise is the only signal.
+    with make_cluster(batch={**FAST, "max_concurrency": 4, "ttft_rise": 2.0}) as cluster:
+        cluster.team.token_delay = 0.05  # a batch line: 4 tokens, 0.2 s
+        cluster.team.first_token_delay = 0.02
+        client, batch_id = _grown_batch(cluster, 400)
+        pools = cluster.app.state.router.pools
+
+        def live() -> None:
+            with httpx.stream(
+                "POST",
+                cluster.base_url + "/chat/completions",
+                headers={"x-route-pool": "team"},
+                json={
+                    "model": "test-model",
+                    "max_tokens": 1,
+                    "stream": True,
+                    "messages": [{"role": "user", "content": "live"}],
+                },
+                timeout=30,
+            ) as answer:
+                assert answer.status_code == 200
+                answer.read()
+
+        for _ in range(10):  # the floor: first tokens in 0.02 s
+            live()
+        assert cluster.metric("specroute_batch_concurrency_limit") >= 4
+        cluster.team.first_token_delay = 0.3  # 15 times the floor
+        # The limit halves as each slow first token comes, and grows back a line a tick: watched
+        # all along, from another thread.
+        lowest, queued, stop = [4.0], [0], threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                lowest[0] = min(lowest[0], cluster.metric("specroute_batch_concurrency_limit"))
+                queued[0] = max(queued[0], pools["team"].queued())
+                stop.wait(0.005)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            for _ in range(12):
+                live()
+        finally:
+            stop.set()
+            watcher.join()
+        assert queued[0] == 0
+        assert lowest[0] <= 2, lowest  # halved at least once as the live p50 rose
+        cluster.team.first_token_delay = 0.0
+        done = _finished(client, batch_id, timeout=90)
+        assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 400
+
+
+def _engine_load(waiting: int) -> str:
+    """An engine's /metrics as vLLM writes it: its running and waiting requests."""
+    return (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="test-model"} 4.0\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f'vllm:num_requests_waiting{{engine="0",model_name="test-model"}} {waiting}.0\n'
+    )
+
+
+def test_the_batch_backs_off_while_its_engines_report_waiting_requests(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+) -> None:
+    # No live traffic at all: only the engine's own report of requests waiting pushes back.
+    with make_cluster(batch={**FAST, "max_concurrency": 4}, scrape={"interval": 0.05}) as cluster:
+        cluster.team.token_delay = 0.05
+        cluster.team.metrics = _engine_load(0)
+        client, batch_id = _grown_batch(cluster, 400)
+        cluster.team.metrics = _engine_load(3)
+        _wait(lambda: cluster.metric("specroute_batch_concurrency_limit") == 1, timeout=10)
+        # And it stays down while they wait: checked over some ticks of the runner.
+        seen = cluster.team.metrics_served
+        _wait(lambda: cluster.team.metrics_served >= seen + 5)
+        assert cluster.metric("specroute_batch_concurrency_limit") <= 2
+        cluster.team.metrics = _engine_load(0)
+        _wait(lambda: cluster.metric("specroute_batch_concurrency_limit") >= 3)  # growing again
+        done = _finished(client, batch_id, timeout=90)
         assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 400
 
 

@@ -413,6 +413,25 @@ def test_both_stores_keep_the_same_promises(stores: tuple[Store, Store]) -> None
     assert second.delete_file("o", "file-x") and not second.copy_file("o", "file-x", io.BytesIO())
 
 
+def test_the_storage_used_counts_every_line_result_and_file(stores: tuple[Store, Store]) -> None:
+    """What `max_storage_bytes` bounds, on both stores: a batch's copy of its lines (in bytes, not
+    characters) and its results while it runs, its output and error files once it is done."""
+    first, second = stores
+    assert first.used_bytes() == 0
+    body = '{"q":"été"}'  # two of its characters take two bytes each
+    first.create_batch(_batch_record("b9", 2), ((f"c{i}", "/v1/chat/completions", body) for i in range(2)))
+    copy = sum(len(f"c{i}") + len("/v1/chat/completions") + len(body.encode()) for i in range(2))
+    assert first.used_bytes() == second.used_bytes() == copy
+    now = time.time()
+    taken = first.claim("b9", "A", 2, now=now, until=now + 60)
+    assert first.record(taken[0], {"line": "c0"}, failed=False)
+    assert second.used_bytes() == copy + len(json.dumps({"line": "c0"}, separators=(",", ":")))
+    first.finish("b9", "completed", int(now), output_id="file-o9", error_id="file-e9")
+    output, errors = second.get_file("o", "file-o9"), second.get_file("o", "file-e9")
+    assert output is not None and errors is not None  # the line not answered is in the error file
+    assert first.used_bytes() == second.used_bytes() == output.bytes + errors.bytes  # the lines' copies are gone
+
+
 def test_a_line_put_back_waits_and_a_released_line_is_taken_at_once(stores: tuple[Store, Store]) -> None:
     first, second = stores
     first.create_batch(_batch_record("b2", 2), ((f"c{i}", "/v1/chat/completions", "{}") for i in range(2)))

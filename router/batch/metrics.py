@@ -30,6 +30,7 @@ class BatchMetrics(Collector):
         self.by_status: dict[str, int] = {}
         self.limit = 0
         self.in_flight: Callable[[], int] = lambda: 0  # the runner's count, read at scrape time
+        self.per_second: Callable[[], float] = lambda: 0.0  # the runner's rate, read at scrape time
         registry.register(self)
 
     def collect(self) -> Iterable[Metric]:
@@ -44,4 +45,9 @@ class BatchMetrics(Collector):
         )
         yield GaugeMetricFamily(
             "specroute_batch_lines_in_flight", "Batch lines being run by this router now.", value=self.in_flight()
+        )
+        yield GaugeMetricFamily(
+            "specroute_batch_lines_per_second",
+            "Batch lines this router recorded per second over the last minute.",
+            value=self.per_second(),
         )

@@ -39,6 +39,11 @@ from router.batch.store import (
 )
 
 FILE_COLUMNS = "id, owner, filename, purpose, bytes, created_at"
+# The bytes the store keeps, as `max_storage_bytes` counts them: every file (inputs, and the output
+# and error files a batch ends with), and each unfinished batch's copy of its lines (custom_id,
+# url, body) with the results recorded so far; a finished batch's lines are deleted as its files
+# are written. Rows' overhead and indexes are not counted. The lines are read at every upload.
+_USED = "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM {files}) + (SELECT COALESCE(SUM({line_bytes}), 0) FROM {lines})"
 _RUNNING = ("in_progress", "cancelling")  # a line of a batch in these may still be recorded
 
 
@@ -106,6 +111,7 @@ class Dialect:
     now: str  # the time leases are read against
     skip_locked: str  # after the SELECT of the lines to take: pass over those being taken
     lock_batch: str  # after the SELECT of a batch's row about to change: hold it to the end
+    octets: str  # the bytes of a text value `{}` (not its characters)
 
     def sql(self, template: str) -> str:
         """`template` in this dialect's words (a few microseconds: not worth keeping)."""
@@ -118,6 +124,9 @@ class Dialect:
             lock_batch=self.lock_batch,
             serial=self.serial,
             file_content=self.file_content,
+            line_bytes=" + ".join(
+                self.octets.format(column) for column in ("custom_id", "url", "body", "COALESCE(result, '')")
+            ),
         )
         return re.sub(r":(\w+)", r"%(\1)s", text) if self.paramstyle == "pyformat" else text
 
@@ -130,6 +139,7 @@ SQLITE = Dialect(
     now=":now",
     skip_locked="",
     lock_batch="",
+    octets="length(CAST({} AS BLOB))",
 )
 POSTGRES = Dialect(
     paramstyle="pyformat",
@@ -139,6 +149,7 @@ POSTGRES = Dialect(
     now="extract(epoch FROM clock_timestamp())",
     skip_locked=" FOR UPDATE SKIP LOCKED",
     lock_batch=" FOR NO KEY UPDATE",
+    octets="octet_length({})",
 )
 
 
@@ -207,13 +218,13 @@ class Queries(Generic[Db]):
         return db.execute(self.dialect.sql(template), args)
 
     def _used(self, db: Db) -> int:
-        return int(self._run(db, "SELECT COALESCE(SUM(bytes), 0) FROM {files}").fetchone()[0])
+        return int(self._run(db, _USED).fetchone()[0])
 
     # Files.
 
     def used_bytes(self) -> int:
-        """The bytes of every file kept (what `max_storage_bytes` bounds), by every router on the store."""
-        return int(self._read("SELECT COALESCE(SUM(bytes), 0) FROM {files}")[0][0])
+        """What `max_storage_bytes` bounds, by every router on the store: see `_USED`."""
+        return int(self._read(_USED)[0][0])
 
     def get_file(self, owner: str, file_id: str) -> FileRecord | None:
         rows = self._read(

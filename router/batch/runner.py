@@ -50,6 +50,7 @@ _TRANSIENT = frozenset({429, 502, 503, 504})
 _CLAIM = 8  # lines taken from the store at once per batch
 _TTFT_SAMPLES = 32
 _TTFT_MIN_SAMPLES = 8
+RATE_WINDOW = 60  # seconds of the runner's clock that lines per second is measured over
 
 
 class Runner:
@@ -75,6 +76,8 @@ class Runner:
         self._wake = anyio.Event()
         self.active: list[BatchRecord] = []  # as of the last tick, for the status page
         self.configure(BatchConfig())
+        self.lines = {"completed": 0, "failed": 0}  # recorded by this router since it started
+        self.rate = Rate(clock)
 
     def configure(self, config: BatchConfig) -> None:
         """The Batch API's section, handed on by the service from `Router.apply`; read where used."""
@@ -291,7 +294,10 @@ class Runner:
             "error": None,
         }
         if await anyio.to_thread.run_sync(lambda: self._store.record(line, result, failed=failed)):
-            self._metrics.lines.labels("failed" if failed else "completed").inc()
+            kind = "failed" if failed else "completed"
+            self._metrics.lines.labels(kind).inc()
+            self.lines[kind] += 1
+            self.rate.add()
 
     async def _call(self, line: Line, request_id: str) -> tuple[int, Any]:
         """The line through the router's own request path; its status and JSON body."""
@@ -354,6 +360,33 @@ class Runner:
             return status, json.loads(raw)
         except ValueError:
             return status, raw.decode("utf-8", "replace") if raw else None
+
+
+class Rate:
+    """Lines recorded per second over the last `window` seconds of `clock` (the runner's: a test
+    moves it), counted per whole second: at most `window` counts kept, whatever the rate."""
+
+    def __init__(self, clock: Callable[[], float], window: int = RATE_WINDOW) -> None:
+        self._clock = clock
+        self._window = window
+        self._seconds: deque[list[int]] = deque()  # [second, lines recorded in it], oldest first
+
+    def add(self) -> None:
+        second = int(self._clock())
+        if self._seconds and self._seconds[-1][0] == second:
+            self._seconds[-1][1] += 1
+        else:
+            self._seconds.append([second, 1])
+        self._trim(second)
+
+    def per_second(self) -> float:
+        """Read from any thread (a scrape): a copy is read, only `add` trims."""
+        since = int(self._clock()) - self._window
+        return sum(count for second, count in list(self._seconds) if second > since) / self._window
+
+    def _trim(self, now: int) -> None:
+        while self._seconds and self._seconds[0][0] <= now - self._window:
+            self._seconds.popleft()
 
 
 def _free_slots(pool: Pool) -> int:

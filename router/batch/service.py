@@ -98,6 +98,7 @@ class BatchService:
         self._runner = runner = Runner(self.router, self._store, self.metrics, clock=self._clock)
         runner.configure(self.config)
         self.metrics.in_flight = lambda: runner.in_flight
+        self.metrics.per_second = runner.rate.per_second
         return True
 
     async def _run(self, opened: bool) -> None:
@@ -147,6 +148,10 @@ class BatchService:
             "by_status": self.metrics.by_status,
             "concurrency_limit": runner.limit if runner else 0,
             "in_flight": runner.in_flight if runner else 0,
+            # Lines recorded by this router since it started, and per second over the last
+            # RATE_WINDOW seconds (of the clock batches are timed by).
+            "lines": dict(runner.lines) if runner else {"completed": 0, "failed": 0},
+            "lines_per_second": round(runner.rate.per_second(), 3) if runner else 0.0,
             # No ids: /router/status needs no key, and a batch is its owner's to name.
             "active": [
                 {
