@@ -9,6 +9,7 @@ format), all on loopback:
     vllm-router    from PyPI, round_robin over both engines
     sglang-router  from PyPI, round_robin over both engines
     floor          scripts/peers_floor.py: uvicorn and aiohttp relaying, nothing else (the router's floor)
+    floor-granian, floor-aiohttp  the same relay on Granian or on aiohttp's own server (another floor?)
     specroute      this checkout: `specroute serve --config`, both engines in each pool,
                    max_concurrency 1024, queue 4096, every feature on
     specroute-before  the same, from another executable (--specroute-before: a change's base, to
@@ -48,7 +49,17 @@ from loopback import free_port, wait_until_up
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
-TARGETS = ("direct", "nginx", "vllm-router", "sglang-router", "floor", "specroute", "specroute-before")
+TARGETS = (
+    "direct",
+    "nginx",
+    "vllm-router",
+    "sglang-router",
+    "floor",
+    "floor-granian",
+    "floor-aiohttp",
+    "specroute",
+    "specroute-before",
+)
 
 
 @dataclass(frozen=True)
@@ -178,9 +189,10 @@ class Stack:
                     "--port", str(port), "--worker-urls", a, b, "--policy", "round_robin", "--log-level", "warn",
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                     "--worker-startup-check-interval", "1"]  # fmt: skip
-        if self.target == "floor":
+        if self.target.startswith("floor"):  # floor, floor-granian, floor-aiohttp
+            server = self.target.partition("-")[2] or "uvicorn"
             return [str(cache / "tools/bin/python"), str(SCRIPTS / "peers_floor.py"), "--port", str(port),
-                    "--engine", a, "--engine", b]  # fmt: skip
+                    "--engine", a, "--engine", b, "--server", server]  # fmt: skip
         if self.target.startswith("specroute"):
             executable = self.args.specroute_before if self.target == "specroute-before" else self.args.specroute
             return [executable, "serve", "--config", str(self._specroute_conf()), "--host", "127.0.0.1",
@@ -407,7 +419,8 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, required=True, help="where scripts/bench_peers.sh installed the peers")
     parser.add_argument("--out", type=Path, default=Path("bench-peers-out"), help="directory for results.md/.json")
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--targets", default=",".join(TARGETS))
+    other_floors = ("floor-granian", "floor-aiohttp")  # asked for by name only
+    parser.add_argument("--targets", default=",".join(t for t in TARGETS if t not in other_floors))
     parser.add_argument("--workloads", default="paced,saturated")
     parser.add_argument("--paced-streams", type=int, default=128)
     parser.add_argument("--paced-tokens", type=int, default=64)

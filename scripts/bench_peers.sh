@@ -11,10 +11,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CACHE=${SPECROUTE_PEERS_CACHE:-/var/cache/specroute/peers}
-MARKER="$CACHE/installed-v1"
+MARKER="$CACHE/installed-v2"
 VLLM_ROUTER=vllm-router==0.1.17
 SGLANG_ROUTER=sglang-router==0.3.2
-TOOLS=(aiohttp==3.14.5 uvicorn==0.54.0 uvloop==0.23.0 httptools==0.9.0 httpx==0.28.1 py-spy==0.4.3)
+TOOLS=(aiohttp==3.14.5 uvicorn==0.54.0 uvloop==0.23.0 httptools==0.9.0 httpx==0.28.1 py-spy==0.4.3 granian==2.8.7)
 
 install() {
     local started=$SECONDS
@@ -31,7 +31,7 @@ install() {
     rm -rf "${CACHE:?}/tools"
     python3 -m venv "$CACHE/tools"
     "$CACHE/tools/bin/pip" install -q --disable-pip-version-check "${TOOLS[@]}" 2>&1 | grep -v "is ignored" >&2 || true
-    "$CACHE/tools/bin/python" -c "import aiohttp, uvicorn, uvloop, httptools, httpx"
+    "$CACHE/tools/bin/python" -c "import aiohttp, uvicorn, uvloop, httptools, httpx, granian"
     # nginx from Debian: the binary is run in the foreground with a generated configuration, so the
     # package's own service is never used (Debian's policy-rc.d, where present, keeps it stopped).
     if ! command -v nginx > /dev/null && [ ! -x /usr/sbin/nginx ]; then

@@ -69,6 +69,9 @@ class Record:
         return (self.tokens - 1) / (self.duration - self.ttft)
 
 
+KEEP_ALIVE_SECONDS = 4.0
+
+
 class Load:
     """Sends requests and keeps their records; one per run."""
 
@@ -88,7 +91,10 @@ class Load:
     def _session(self) -> aiohttp.ClientSession:
         if self._client is None:
             self._client = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                # Idle connections are dropped before the server would close them (uvicorn, under the
+                # router and the engines, after 5 s): a user thinking 5 s at 1x got a POST written
+                # to a connection being closed, a ServerDisconnectedError counted as an error.
+                connector=aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=KEEP_ALIVE_SECONDS),
                 # A round of the note waits minutes for a first token: no read timeout worth having.
                 timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=3600),
                 auto_decompress=False,
