@@ -44,7 +44,11 @@ def router_settings(fast_url: str, team_url: str) -> Settings:
         routing={"mode": "crossover", "crossover": {"prose": 64, "code": 64}},
         # The whole suite is one client on one address: keep the batch heuristic out of the way.
         classify={"batch_inflight_threshold": 64, "client_memory_seconds": 0},
-        scrape={"interval": 0.5, "timeout": 2.0, "stale_after": 5.0},
+        # Readings stay usable for 15 s: the router shares the cores with two engines whose threads
+        # spin, and a starved router's scrapes can all time out for 10-15 s (seen in a run of the
+        # spill test: both engines stale, so no pool had room to spill to). A scrape still has
+        # 2 s, and an engine that is down goes stale well within its 60-90 s restart.
+        scrape={"interval": 0.5, "timeout": 2.0, "stale_after": 15.0},
         health={
             "interval": 1.0,
             "timeout": 2.0,

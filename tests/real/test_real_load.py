@@ -255,7 +255,7 @@ def test_an_engine_killed_under_load_fails_over_and_returns(
 
     # The log says it all, one line per change: ejected by the failing requests; its engine still
     # down when the 10 s are over (a restart takes about 90 s); back; and its /metrics unread
-    # meanwhile (stale after 5 s, fresh again once the engine answers).
+    # meanwhile (stale after 15 s, fresh again once the engine answers).
     wait_for(
         lambda: any("engine readings fresh again" in line for _, line in _state_lines(caplog, "fast-1")),
         timeout=10,
