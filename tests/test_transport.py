@@ -23,6 +23,7 @@ from router.transport import (
     HeadLimits,
     ReadTimeout,
     RemoteProtocolError,
+    Response,
     Timeouts,
     Transport,
 )
@@ -76,6 +77,12 @@ def _timeouts(read: float = 2.0) -> Timeouts:
 async def _post(transport: Transport, url: str, target: str = "/", **options: Any) -> Any:
     options.setdefault("timeouts", _timeouts())
     return await transport.request(url, target, headers=options.pop("headers", []), limits=LIMITS, **options)
+
+
+async def _read_into(response: Response, received: list[bytes]) -> None:
+    """The body's pieces into `received` as they arrive, until it ends or breaks."""
+    async for piece in response.iter_raw():
+        received.append(piece)
 
 
 @pytest.mark.anyio
@@ -153,13 +160,8 @@ async def test_connection_closed_mid_body_is_a_protocol_error_after_the_bytes_th
         transport = _transport()
         response = await _post(transport, url)
         received: list[bytes] = []
-
-        async def drain() -> None:
-            async for piece in response.iter_raw():
-                received.append(piece)
-
         with pytest.raises(RemoteProtocolError):
-            await drain()
+            await _read_into(response, received)
         assert received == [b"data: 1\n\n"]
         await response.aclose()
         await transport.aclose()
@@ -208,13 +210,8 @@ async def test_chunks_keep_a_stream_alive_past_its_idle_timeout_until_they_stop(
     async with raw_server(trickles) as (url, _, _):
         response = await _post(transport, url, timeouts=Timeouts(connect=1, read=10, idle=1.0))
         received: list[bytes] = []
-
-        async def drain() -> None:
-            async for piece in response.iter_raw():
-                received.append(piece)
-
         with pytest.raises(ReadTimeout):
-            await drain()
+            await _read_into(response, received)
         assert b"".join(received) == b"a" * 24
         await response.aclose()
     await transport.aclose()
