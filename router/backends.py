@@ -105,6 +105,12 @@ class Backend:
             now, stale_after, in_flight=self.in_flight, max_concurrency=self.max_concurrency
         )
 
+    def overflow(self, now: float, stale_after: float, kv_threshold: float) -> int:
+        """Its requests projected to wait inside the engine for KV room (router.engines)."""
+        return self.engine.overflow(
+            now, stale_after, kv_threshold, in_flight=self.in_flight, max_concurrency=self.max_concurrency
+        )
+
     def has_engine_room(self, now: float, stale_after: float, kv_threshold: float) -> bool:
         return self.engine.has_room(now, stale_after, kv_threshold, max_concurrency=self.max_concurrency)
 

@@ -87,16 +87,36 @@ class EngineView:
         speculative engine's cache before the router sees it fill. Without a fresh reading, the
         router's own requests at that usage each.
         """
+        since = self._since_reading(now, stale_after, in_flight=in_flight)
+        if since is None:
+            return None  # the engine says nothing of its KV cache
+        usage, sent = since
+        return usage + self.kv_per_request(max_concurrency) * (sent + 1)
+
+    def overflow(
+        self, now: float, stale_after: float, kv_threshold: float, *, in_flight: int, max_concurrency: int
+    ) -> int:
+        """This router's requests sent since the reading that the KV cache holds no room for below
+        the threshold, as projected: they wait inside the engine for others to finish. A burst
+        faster than a scrape queues there before any reading shows it."""
+        since = self._since_reading(now, stale_after, in_flight=in_flight)
+        if since is None:
+            return 0
+        usage, sent = since
+        fits = max(0, math.ceil((kv_threshold - usage) / self.kv_per_request(max_concurrency)) - 1)
+        return max(0, sent - fits)
+
+    def _since_reading(self, now: float, stale_after: float, *, in_flight: int) -> tuple[float, int] | None:
+        """The KV usage of the last reading and the router's requests it does not count: with no
+        fresh reading (scrapes failing: the engine, or this router, too busy to answer in time),
+        none and all of them, so that missed scrapes do not open the gate. None: the engine says
+        nothing of its KV cache."""
         reading = self.reading
         if reading.kv_usage is None:
-            return None  # the engine says nothing of its KV cache
-        per_request = self.kv_per_request(max_concurrency)
+            return None
         if not reading.fresh(now, stale_after):
-            # Scrapes are failing (the engine, or this router, too busy to answer in time): what
-            # this router's own requests take, so that missed scrapes do not open the gate.
-            return per_request * (in_flight + 1)
-        sent_since = max(0, in_flight - reading.own_in_flight)
-        return reading.kv_usage + per_request * (sent_since + 1)
+            return 0.0, in_flight
+        return reading.kv_usage, max(0, in_flight - reading.own_in_flight)
 
     def has_room(self, now: float, stale_after: float, kv_threshold: float, *, max_concurrency: int) -> bool:
         """Whether the last fresh reading shows a free slot and KV headroom for one more.

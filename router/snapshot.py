@@ -63,9 +63,11 @@ def predicted_ttft(backend: Backend, pool: Pool, *, now: float, kv_threshold: fl
 
     The recent first tokens (median of the last few) and the oldest stream still waiting for
     one are what it takes now; if the request would wait for a slot (the engine has requests
-    waiting, no KV headroom or no free slot, or the router's queue is not empty), one running
-    request must finish per request ahead of it, at the pool's mean request duration over the
-    requests running.
+    waiting, no KV headroom for it once what this router sent since the reading is counted, no
+    free slot, or the router's queue is not empty), one running request must finish per request
+    ahead of it, at the pool's mean request duration over the requests running. Ahead of it: the
+    engine's waiting requests, this router's requests projected past the KV cache (a burst
+    faster than a scrape, router.engines) and the router's queue.
     """
     first_tokens = backend.first_tokens
     recent = sorted(list(first_tokens.recent)[-8:])
@@ -73,11 +75,15 @@ def predicted_ttft(backend: Backend, pool: Pool, *, now: float, kv_threshold: fl
     reading = backend.engine.reading
     fresh = reading.fresh(now, stale_after)
     waiting = (reading.waiting or 0) if fresh else 0
+    overflow = backend.overflow(now, stale_after, kv_threshold)
     queued = pool.queued()
     slots_full = backend.in_flight >= backend.max_concurrency
-    no_room = fresh and not backend.has_engine_room(now, stale_after, kv_threshold)
-    if not (waiting or queued or slots_full or no_room):
+    projected = backend.kv_projected(now, stale_after)
+    no_room = (fresh and not backend.has_engine_room(now, stale_after, kv_threshold)) or (
+        projected is not None and projected >= kv_threshold
+    )
+    if not (waiting or overflow or queued or slots_full or no_room):
         return base
-    running = max(1.0, float(backend.in_flight), (reading.running or 0.0) if fresh else 0.0)
+    running = max(1.0, float(backend.in_flight - overflow), (reading.running or 0.0) if fresh else 0.0)
     duration = pool.mean_duration if pool.mean_duration is not None else UNMEASURED_DURATION
-    return base + (waiting + queued + 1) * duration / running
+    return base + (waiting + overflow + queued + 1) * duration / running

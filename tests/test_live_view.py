@@ -12,7 +12,7 @@ import pytest
 from router.backends import Pools
 from router.clock import ManualClock
 from router.config import Settings
-from router.engines import EngineLoad
+from router.engines import EngineLoad, EngineView
 from router.learn import SpeedModel
 from router.snapshot import snapshot
 from tests.conftest import Cluster
@@ -214,3 +214,36 @@ def test_missed_scrapes_do_not_open_the_gate_to_a_full_speculative_engine() -> N
     backend.in_flight = 9
     later = _snapshot(pools, settings, now=100.0 + settings.scrape.stale_after + 1)
     assert later["fast"].kv_usage == pytest.approx(1.0)
+
+
+def test_a_burst_past_both_engines_stated_capacity_is_shared_by_their_projected_queues() -> None:
+    """Real vLLM states a capacity of 2 requests (4,096 tokens at max_model_len): on a cold router
+    both pools look full from the second request of a burst. The first token is predicted behind
+    the router's own requests projected past each KV cache, so the burst goes where fewer wait,
+    not all to the speculative pool (before: both predicted 0 s, the speculative one kept)."""
+    settings = _settings()
+    pools = _pools(settings)
+    fast, team = pools["fast"].backends[0], pools["team"].backends[0]
+    for backend in (fast, team):  # one idle reading each, as on a router just started
+        backend.engine.observe(EngineLoad(running=0, waiting=0, kv_usage=0.0, max_concurrency=2.0, scraped_at=100.0))
+    fast.in_flight, team.in_flight = 6, 2
+    assert fast.overflow(100.2, 5.0, 0.9) == 5  # 0.5 of the cache each: one fits below 0.9
+    assert team.overflow(100.2, 5.0, 0.9) == 1
+    state = _snapshot(pools, settings, now=100.2)
+    assert state["fast"].kv_usage == pytest.approx(3.5) and state["team"].kv_usage == pytest.approx(1.5)
+    assert state["fast"].ttft is not None and state["team"].ttft is not None
+    assert state["team"].ttft < state["fast"].ttft  # 1 ahead of it on team, 5 on fast
+    team.in_flight = 6
+    state = _snapshot(pools, settings, now=100.2)
+    assert state["team"].ttft == state["fast"].ttft  # as many ahead: neither is sooner
+
+
+def test_overflow_counts_only_what_the_reading_does_not() -> None:
+    engine = EngineView()
+    assert engine.overflow(100.0, 5.0, 0.9, in_flight=30, max_concurrency=32) == 0  # no KV figure
+    # 8 running at 0.4: 0.05 a request, so 9 more fit below 0.9; 8 of the 20 in flight it counts.
+    engine.observe(EngineLoad(running=8, kv_usage=0.4, scraped_at=100.0, own_in_flight=8))
+    assert engine.overflow(100.1, 5.0, 0.9, in_flight=17, max_concurrency=32) == 0
+    assert engine.overflow(100.1, 5.0, 0.9, in_flight=20, max_concurrency=32) == 3
+    # Stale: the router's own requests from an empty cache (0.05 each: 17 fit).
+    assert engine.overflow(106.0, 5.0, 0.9, in_flight=20, max_concurrency=32) == 3

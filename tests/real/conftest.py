@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,15 +144,21 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, 
         yield fast, team
 
 
-@pytest.fixture(scope="session")
-def real(engines: tuple[Engine, Engine]) -> Iterator[RealCluster]:
-    fast, team = engines
-    os.environ[ADMIN_ENV] = ADMIN_KEY
+@contextmanager
+def router_in_front(fast: Engine, team: Engine) -> Iterator[RealCluster]:
+    """A router of its own, started now, in front of the engines."""
     registry = CollectorRegistry()
     app = create_app(router_settings(fast.url, team.url), registry=registry)
+    with ServerThread(app, fast=True) as router:
+        yield RealCluster(fast, team, router, registry)
+
+
+@pytest.fixture(scope="session")
+def real(engines: tuple[Engine, Engine]) -> Iterator[RealCluster]:
+    os.environ[ADMIN_ENV] = ADMIN_KEY
     try:
-        with ServerThread(app, fast=True) as router:
-            yield RealCluster(fast, team, router, registry)
+        with router_in_front(*engines) as cluster:
+            yield cluster
     finally:
         del os.environ[ADMIN_ENV]
 

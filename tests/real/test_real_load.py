@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from openai.types.chat import ChatCompletion
 
-from tests.real.conftest import RealCluster
+from tests.real.conftest import RealCluster, router_in_front
 from tests.real.engines import wait_for
 
 # Engines restart and queues drain at the speed of two CPU cores: far past the suite's default timeout.
@@ -168,6 +168,38 @@ def test_interactive_work_spills_when_the_speculative_engine_is_full(cluster: Re
         timeout=30,
         what="interactive work back on fast",
     )
+
+
+def test_a_burst_of_users_on_a_cold_router_spills_past_the_speculative_engines_capacity(
+    cluster: RealCluster,
+) -> None:
+    """24 users at the same moment on a router that has never seen the engines loaded: its one
+    reading shows both idle. The speculative engine's KV cache holds about 10 of these requests
+    (prompt and 256 tokens: 3 of its 32 blocks). Before the fix all 24 went there and waited:
+    both pools looked full past the engines' stated capacity (2 requests of full length) and,
+    their predicted first tokens equal, the router kept the speculative one (docs/benchmarks.md §7)."""
+    users = 24
+    with router_in_front(cluster.fast, cluster.team) as cold:
+        wait_for(
+            lambda: all(cold.backend(pool)["engine"]["age_seconds"] is not None for pool in ("fast", "team")),
+            timeout=30,
+            what="the cold router's first reading of both engines",
+        )
+        together = threading.Barrier(users)
+
+        def user(i: int) -> tuple[str, str]:
+            together.wait(timeout=30)
+            served, reason, answer = cold.chat(user=f"burst-{i}", job="interactive", max_tokens=256)
+            assert answer.usage is not None and answer.usage.completion_tokens == 256
+            return served, reason
+
+        with ThreadPoolExecutor(max_workers=users) as threads:
+            decisions = Counter(threads.map(user, range(users)))
+    spilled = sum(count for (served, reason), count in decisions.items() if served == "team")
+    # Past the speculative engine's capacity, on its projected KV cache; the rest stayed there.
+    assert spilled >= users // 4 and decisions["fast", "header"] >= users // 4, decisions
+    reasons = {reason for served, reason in decisions if served == "team"}
+    assert reasons <= {"spill:spec-kv-full", "spill:spec-queueing"}, decisions
 
 
 def test_drain_and_resume(cluster: RealCluster) -> None:
