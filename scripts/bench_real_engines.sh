@@ -19,7 +19,8 @@ scripts/real-engines install
 fast=http://127.0.0.1:9201 team=http://127.0.0.1:9202 router=http://127.0.0.1:9200
 scripts/real-engines serve 9201 9202 >"$out/engines.log" 2>&1 &
 engines=$!
-trap 'kill $engines ${serve:-} 2>/dev/null; wait' EXIT
+warmed=$(mktemp -d)
+trap 'kill $engines ${serve:-} 2>/dev/null; wait; rm -rf "$warmed"' EXIT
 
 up() {  # until $1 answers 200, at most $2 seconds
   local deadline=$((SECONDS + $2))
@@ -30,6 +31,14 @@ up() {  # until $1 answers 200, at most $2 seconds
 }
 up $fast/health 300
 up $team/health 300
+
+# An engine's first requests after it starts are slow (the first 2-4 s to a first token, whatever
+# the load): warm both with the first point's load, directly, before the router starts, so the
+# routed run is not charged for it and the router starts cold (it has seen no engine loaded).
+warm=(--interactive "${users[0]}" --batch 8 --duration 5 --think 1 --max-tokens 256 --batch-header ${TOGETHER:+--together})
+for engine in $fast $team; do
+  specroute bench mixed --base-url $engine/v1 "${warm[@]}" --out "$warmed" >/dev/null
+done
 
 cat >"$out/router.yaml" <<EOF
 listen: {port: 9200}
