@@ -74,6 +74,7 @@ class Runner:
         self._engine_waited = False  # the batch pool's engines reported waiting requests at the last tick
         self._ttft_seen: tuple[float, ...] = ()
         self._wake = anyio.Event()
+        self._news = False  # woken since the last full look at the store
         self.active: list[BatchRecord] = []  # as of the last tick, for the status page
         self.configure(BatchConfig())
         self.lines = {"completed": 0, "failed": 0}  # recorded by this router since it started
@@ -85,6 +86,7 @@ class Runner:
 
     def wake(self) -> None:
         """Look for work now (a batch was created or cancelled, a line finished)."""
+        self._news = True
         self._wake.set()
 
     async def run(self) -> None:
@@ -128,6 +130,14 @@ class Runner:
         now = self._clock()
         self._dry.clear()
         active = await anyio.to_thread.run_sync(self._store.active)
+        if not active and not self.active and not self._news:
+            # No batch in the store, now or at the last look, and none created here since: nothing
+            # to start or finish, and the counts by status are as they were (one query a tick in a
+            # thread, not three). Only a batch created and ended by another router sharing the
+            # store between two looks goes uncounted until the next one is active.
+            self._adapt()
+            return
+        self._news = False
         running: list[str] = []
         for batch in active:
             if batch.status == "validating":
