@@ -36,6 +36,7 @@ import functools
 import io
 import select
 import ssl
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -415,12 +416,23 @@ class AiohttpTransport:
         return _AiohttpResponse(self, session, response, timeouts.idle)
 
     async def get(self, url: str, *, headers: Sequence[tuple[str, str]] = ()) -> tuple[int, bytes]:
+        """With an `X-Request-Id` of its own, like a proxied request: an engine that echoes it
+        sends it with a copy of this answer sent unasked later, so the request that such a copy
+        lands on sees that it is not its answer (id-less, the copies of these GETs' answers were
+        read as answers to POSTs). Answered with another request's answer, the GET is sent once
+        more, on another connection: it is idempotent."""
         parsed = URL(url, encoded=True)
+        try:
+            return await self._get_once(parsed, headers)
+        except WrongAnswer:
+            return await self._get_once(parsed, headers)
+
+    async def _get_once(self, url: URL, headers: Sequence[tuple[str, str]]) -> tuple[int, bytes]:
         response = await self.request(
-            str(parsed.origin()),
-            parsed.raw_path_qs,
+            str(url.origin()),
+            url.raw_path_qs,
             method="GET",
-            headers=headers,
+            headers=[*headers, ("x-request-id", uuid.uuid4().hex)],
             timeouts=_UNBOUNDED,
             limits=HeadLimits(head_bytes=64 * 1024, headers=100),
         )

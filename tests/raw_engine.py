@@ -75,6 +75,7 @@ class RawEngine:
         self.connections = 0  # accepted
         self.closed: set[int] = set()  # the numbers of the connections closed since
         self.written = 0  # bytes an answer counted as sent (for the bounded-buffer tests)
+        self.probe_answers: dict[int, bytes] = {}  # per connection, the last answer to a GET on it
         self._idle: set[asyncio.StreamWriter] = set()  # connections waiting for their next request
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -143,7 +144,11 @@ class RawEngine:
                 earlier += 1
                 if exchange.method == "GET":
                     body = b'{"object": "list", "data": []}' if exchange.target == "/v1/models" else b""
-                    writer.write(response(body=body, headers=b"" if self.keep_alive else b"connection: close\r\n"))
+                    # The request's id echoed, as vLLM does with --enable-request-id-headers.
+                    echo = b"x-request-id: %s\r\n" % exchange.request_id.encode() if exchange.request_id else b""
+                    answer = response(body=body, headers=echo + (b"" if self.keep_alive else b"connection: close\r\n"))
+                    self.probe_answers[number] = answer
+                    writer.write(answer)
                     await writer.drain()
                     if not self.keep_alive:
                         break

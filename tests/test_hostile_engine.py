@@ -256,6 +256,34 @@ def test_an_answer_naming_another_request_is_never_passed_on() -> None:
         assert_recovered(router)
 
 
+def test_a_copy_of_a_probes_answer_is_never_a_clients_answer() -> None:
+    """The router's own GETs (health, metrics, models) share the pooled connections: a copy of a
+    probe's answer, sent again unasked, can land just after a client's request went out on the
+    same connection. The probes carry an id of their own for that (in the soak, id-less copies
+    of their answers reached clients: an unshaped 404, a 200 that was not JSON)."""
+    engines: list[RawEngine] = []
+
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        copy = engines[0].probe_answers.pop(exchange.connection, None)
+        if copy is not None and exchange.index == 0:  # the last request here was a probe: its answer again
+            writer.write(copy)
+        writer.write(echoing(exchange))
+        return True
+
+    with RawEngine(answer) as engine, routed(engine.url) as router:
+        engines.append(engine)
+        backend = router.app.state.router.pools["p"].backends[0]
+        # The first scrape is done: its connection is back in the pool, where the next request takes it.
+        assert engine.wait_for(lambda: backend.engine.reading.scraped_at > 0)
+        reply = router.ask("first")  # no other backend to try
+        assert engine.requests[0].earlier > 0, "the request did not take a probe's connection"
+        assert_upstream_failed(reply)
+        assert router.total("specroute_upstream_errors_total", kind="wrong_answer") == 1
+        assert all(b"x-request-id: " in head for head in engine.heads)  # every request carried one
+        assert_own_answers(router)
+        assert_recovered(router)
+
+
 def test_an_answer_naming_another_request_is_retried_elsewhere() -> None:
     async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         writer.write(echoing(exchange, "someone-else") + echoing(exchange))
