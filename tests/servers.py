@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -92,8 +92,21 @@ class ServerThread:
             time.sleep(0.01)
         return self
 
+    def stop(self) -> None:
+        """Ask the server to stop, without waiting for it (its exit waits)."""
+        self.server.should_exit = True
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.server.should_exit = True
+        self.stop()
         self._thread.join(timeout=10)
+
+
+def stop_together(servers: Iterable[ServerThread]) -> None:
+    """Ask every server to stop at once; each one's exit then only waits for its own thread. One
+    after another, each takes 0.15-0.2 s to stop (uvicorn looks every 0.1 s whether to stop, then
+    gives its connections 0.1 s): a cluster's router and then its two engines took 0.5 s, the
+    router and then both engines together 0.33 s."""
+    for server in servers:
+        server.stop()
