@@ -725,6 +725,7 @@ def test_the_batch_backs_off_when_live_requests_queue_on_its_pool(
 
         assert asyncio.run(burst()) == [200] * 12
         assert lowest <= 2, lowest  # halved at least twice while live requests waited
+        cluster.team.token_delay = 0.0  # what is left to see: every line done, once
         done = _finished(client, batch.id, timeout=60)
         assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 400
 
@@ -790,6 +791,7 @@ def test_the_batch_backs_off_when_live_first_tokens_slow(
         assert queued[0] == 0
         assert lowest[0] <= 2, lowest  # halved at least once as the live p50 rose
         cluster.team.first_token_delay = 0.0
+        cluster.team.token_delay = 0.0  # what is left to see: every line done, once
         done = _finished(client, batch_id, timeout=90)
         assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 400
 
@@ -820,6 +822,7 @@ def test_the_batch_backs_off_while_its_engines_report_waiting_requests(
         assert cluster.metric("specroute_batch_concurrency_limit") <= 2
         cluster.team.metrics = _engine_load(0)
         _wait(lambda: cluster.metric("specroute_batch_concurrency_limit") >= 3)  # growing again
+        cluster.team.token_delay = 0.0  # what is left to see: every line done, once
         done = _finished(client, batch_id, timeout=90)
         assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 400
 
