@@ -23,6 +23,8 @@ from tests.conftest import Cluster
 from tests.timing import too_busy_to_time
 from tests.wait import until
 
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
+
 KEYS_ENV = "SPECROUTE_TEST_BATCH_KEYS"
 FAST = {"poll_interval": 0.05, "retry_backoff": 0.05}
 ENDED = ("completed", "cancelled", "expired", "failed")

@@ -352,6 +352,7 @@ def test_a_pooled_connection_the_engine_closed_is_never_written_on(loop: str) ->
     assert [(exchange.connection, exchange.body) for exchange in engine.requests] == [(1, b"first"), (2, b"second")]
 
 
+@pytest.mark.e2e  # through a whole router, served on loopback
 def test_a_reload_reaches_pooled_connections(
     tmp_path: Path, make_cluster: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
