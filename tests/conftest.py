@@ -17,9 +17,21 @@ from starlette.applications import Starlette
 from router.app import create_app
 from router.clock import Clock
 from router.config import Settings, load_settings
+from tests import servers
 from tests.fake_engine import FakeEngine
 from tests.servers import ServerThread, stop_together
 from tests.wait import wait_until
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test of the fast unit set (`-m 'not e2e and not real'`) may not start a server: the
+    set stays what it says, and a server started there fails the test, asking for the mark."""
+    marked = any(item.get_closest_marker(name) for name in ("e2e", "real"))
+    servers.unmarked_test = None if marked else item.nodeid
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    servers.unmarked_test = None
 
 
 class Cluster:

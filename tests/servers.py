@@ -21,6 +21,14 @@ import uvicorn
 from router.listener import uvicorn_config
 from tests.wait import wait_until
 
+# The test running now if it is in the fast unit set (marked neither `e2e` nor `real`): set by
+# tests/conftest.py, so that such a test cannot start a server and slow the set down unseen.
+unmarked_test: str | None = None
+
+
+def _may_serve() -> None:
+    assert unmarked_test is None, f"{unmarked_test} serves on loopback: mark it e2e (pyproject.toml, markers)"
+
 
 def free_port() -> int:
     with socket.socket() as probe:
@@ -33,6 +41,7 @@ def free_port() -> int:
 def serve(config: Path, *, env: Mapping[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`specroute serve --config FILE` in its own process, its log beside the file; yields it and
     its URL once it answers. It gets this process's environment but for `SPECROUTE_*`, plus `env`."""
+    _may_serve()
     port = free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")} | dict(env or {})
     log = (config.parent / "router.log").open("w")
@@ -84,6 +93,7 @@ class ServerThread:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> ServerThread:
+        _may_serve()
         self._thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started:
