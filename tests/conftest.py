@@ -17,9 +17,21 @@ from starlette.applications import Starlette
 from router.app import create_app
 from router.clock import Clock
 from router.config import Settings, load_settings
+from tests import servers
 from tests.fake_engine import FakeEngine
-from tests.servers import ServerThread
+from tests.servers import ServerThread, stop_together
 from tests.wait import wait_until
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test of the fast unit set (`-m 'not e2e and not real'`) may not start a server: the
+    set stays what it says, and a server started there fails the test, asking for the mark."""
+    marked = any(item.get_closest_marker(name) for name in ("e2e", "real"))
+    servers.unmarked_test = None if marked else item.nodeid
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    servers.unmarked_test = None
 
 
 class Cluster:
@@ -97,10 +109,11 @@ def running_cluster(
         fast_server = stack.enter_context(ServerThread(fast.app()))
         team_server = stack.enter_context(ServerThread(team.app()))
         more = [FakeEngine() for _ in range(fast_backends - 1)]
-        extra = {
-            f"fast-{i + 2}": {"url": stack.enter_context(ServerThread(engine.app())).url, "max_concurrency": 8}
-            for i, engine in enumerate(more)
-        }
+        more_servers = [stack.enter_context(ServerThread(engine.app())) for engine in more]
+        extra = {f"fast-{i + 2}": {"url": server.url, "max_concurrency": 8} for i, server in enumerate(more_servers)}
+        # On exit the router stops first (it would see its engines gone and say so), then the
+        # engines all at once.
+        stack.callback(stop_together, [fast_server, team_server, *more_servers])
         registry = CollectorRegistry()
         store = stack.enter_context(tempfile.TemporaryDirectory(prefix="specroute-batches-"))
         defaults = {"pools": {"fast": {"backends": extra}}, "batch": {"store_dir": store}}

@@ -18,6 +18,8 @@ import yaml
 
 from tests.conftest import Cluster
 
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
+
 ADMIN_ENV, ADMIN_KEY = "SPECROUTE_TEST_ADMIN_KEY", "admin-secret"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

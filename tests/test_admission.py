@@ -6,6 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
 
 POOLS = {"fast": {"queue_size": 1, "queue_timeout": 0.5, "backends": {"fast-1": {"max_concurrency": 1}}}}
 STATIC = {"mode": "static"}  # the queue itself is under test: no spilling to the other pool

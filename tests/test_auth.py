@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import Cluster
 
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
+
 AUTH = {"client_keys_env": "TEST_CLIENT_KEYS", "override_keys_env": "TEST_OVERRIDE_KEYS"}
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 

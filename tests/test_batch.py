@@ -23,6 +23,8 @@ from tests.conftest import Cluster
 from tests.timing import too_busy_to_time
 from tests.wait import until
 
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
+
 KEYS_ENV = "SPECROUTE_TEST_BATCH_KEYS"
 FAST = {"poll_interval": 0.05, "retry_backoff": 0.05}
 ENDED = ("completed", "cancelled", "expired", "failed")
@@ -725,6 +727,7 @@ def test_the_batch_backs_off_when_live_requests_queue_on_its_pool(
 
         assert asyncio.run(burst()) == [200] * 12
         assert lowest <= 2, lowest  # halved at least twice while live requests waited
+        cluster.team.token_delay = 0.0  # what is left to see: every line done, once
         done = _finished(client, batch.id, timeout=60)
         assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 400
 
@@ -790,6 +793,7 @@ def test_the_batch_backs_off_when_live_first_tokens_slow(
         assert queued[0] == 0
         assert lowest[0] <= 2, lowest  # halved at least once as the live p50 rose
         cluster.team.first_token_delay = 0.0
+        cluster.team.token_delay = 0.0  # what is left to see: every line done, once
         done = _finished(client, batch_id, timeout=90)
         assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 400
 
@@ -820,6 +824,7 @@ def test_the_batch_backs_off_while_its_engines_report_waiting_requests(
         assert cluster.metric("specroute_batch_concurrency_limit") <= 2
         cluster.team.metrics = _engine_load(0)
         _wait(lambda: cluster.metric("specroute_batch_concurrency_limit") >= 3)  # growing again
+        cluster.team.token_delay = 0.0  # what is left to see: every line done, once
         done = _finished(client, batch_id, timeout=90)
         assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 400
 

@@ -11,10 +11,13 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.batches import batch_input, router_config
 from tests.fake_engine import FakeEngine
 from tests.servers import ServerThread, serve
+
+pytestmark = pytest.mark.e2e  # `specroute serve` in its own process, killed and started again
 
 LINES = 200
 CONCURRENCY = 8  # the engine's slots in the router's settings: at most this many lines in flight

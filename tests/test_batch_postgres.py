@@ -62,6 +62,7 @@ def _store(**more: Any) -> dict[str, Any]:
     return {**FAST, "store": "postgres", "postgres_dsn_env": DSN_ENV, **more}
 
 
+@pytest.mark.e2e
 def test_whole_cycle_with_the_sdk_on_postgres(
     dsn: str, monkeypatch: pytest.MonkeyPatch, make_cluster: Callable[..., AbstractContextManager[Cluster]]
 ) -> None:
@@ -134,6 +135,7 @@ CONCURRENCY = 8  # the engine's slots in each router's settings
 IN_FLIGHT = 6  # batch.max_concurrency: lines a router has between sending one and recording it
 
 
+@pytest.mark.e2e
 def test_two_routers_share_one_postgres_store_and_one_is_killed(
     dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -248,6 +250,7 @@ class _Relay:
         self._loop.close()
 
 
+@pytest.mark.e2e
 def test_a_database_out_of_reach_is_503_and_live_traffic_is_served(
     postgres: PostgresServer,
     monkeypatch: pytest.MonkeyPatch,
@@ -316,6 +319,7 @@ def _try(call: Callable[[], Any]) -> Any:
         return None
 
 
+@pytest.mark.e2e
 def test_the_dsn_is_never_shown(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
@@ -346,7 +350,7 @@ def test_the_postgres_store_needs_its_dsn_env() -> None:
         Settings(**settings_data("http://127.0.0.1:9", "http://127.0.0.1:9", batch={"store": "postgres"}))
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.e2e)])  # e2e: a real PostgreSQL
 def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Store, Store]]:
     """Two handles on one store, as two routers have: one SQLite file, or one PostgreSQL database."""
     if request.param == "sqlite":
@@ -473,6 +477,7 @@ def test_routers_claiming_at_once_never_take_the_same_line(stores: tuple[Store, 
     assert taken["A"] and taken["B"]
 
 
+@pytest.mark.e2e
 def test_a_database_that_refuses_the_tables_leaves_the_router_serving(
     postgres: PostgresServer,
     monkeypatch: pytest.MonkeyPatch,

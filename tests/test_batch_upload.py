@@ -22,6 +22,8 @@ from tests.batches import batch_input
 from tests.conftest import Cluster
 from tests.wait import until
 
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
+
 MakeCluster = Callable[..., AbstractContextManager[Cluster]]
 BOUNDARY = "b0undary"
 GAUGES = [

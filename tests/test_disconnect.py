@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import Cluster
 
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
+
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
 

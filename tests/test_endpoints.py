@@ -6,8 +6,11 @@ import platform
 import re
 
 import httpx
+import pytest
 
 from tests.conftest import Cluster
+
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
 
 
 def test_health_is_healthz_for_load_tools(cluster: Cluster) -> None:

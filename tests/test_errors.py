@@ -16,6 +16,8 @@ from starlette.types import Message
 
 from tests.conftest import Cluster
 
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
+
 
 def _assert_openai_error(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
     assert response.status_code == status

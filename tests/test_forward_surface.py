@@ -24,6 +24,8 @@ from tests.fake_engine import FakeEngine, Seen
 from tests.test_hostile_client import _assert_unharmed, _error, _exchange, _nothing_forwarded, _parse
 from tests.wait import wait_until
 
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
+
 MakeCluster = Callable[..., AbstractContextManager[Cluster]]
 MODEL = "test-model"
 BOUNDARY = "specroute-test-boundary"

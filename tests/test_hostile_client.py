@@ -34,6 +34,8 @@ from tests.conftest import Cluster, settings_data
 from tests.servers import ServerThread
 from tests.wait import until, wait_until
 
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines, hostile clients on raw sockets
+
 MakeCluster = Callable[..., AbstractContextManager[Cluster]]
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 GAUGES = [

@@ -130,6 +130,7 @@ def events(reply: httpx.Response) -> list[str]:
 # -- interim answers -------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_client_expect_100_continue_is_answered_by_the_router_and_never_forwarded() -> None:
     """curl sends `Expect: 100-continue` with any body over 1 MB. uvicorn (under vLLM and SGLang)
     answers it with `100 Continue`: were it forwarded, that interim answer could be taken as the
@@ -166,6 +167,7 @@ def test_client_expect_100_continue_is_answered_by_the_router_and_never_forwarde
         assert_recovered(router)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("interim", [100, 102, 103])
 def test_interim_answers_from_the_engine_are_never_final(interim: int) -> None:
     async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
@@ -179,6 +181,7 @@ def test_interim_answers_from_the_engine_are_never_final(interim: int) -> None:
         assert_recovered(router)
 
 
+@pytest.mark.e2e
 def test_101_from_the_engine_is_a_502() -> None:
     async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         if exchange.index > 0:
@@ -194,6 +197,7 @@ def test_101_from_the_engine_is_a_502() -> None:
 # -- bytes that are nobody's answer ------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_a_late_extra_response_on_an_idle_pooled_connection_is_never_anyones_answer() -> None:
     late_sent = False
     answered = threading.Event()  # the client has the first answer
@@ -231,6 +235,7 @@ def echoing(exchange: Exchange, request_id: str | None = None) -> bytes:
     return response(body=body, headers=b"x-request-id: %s\r\n" % request_id.encode())
 
 
+@pytest.mark.e2e
 def test_an_answer_naming_another_request_is_never_passed_on() -> None:
     """The race a late copy can win: it lands just after the next request went out on the pooled
     connection, so it reads as that request's answer; only the echoed id tells them apart."""
@@ -256,6 +261,7 @@ def test_an_answer_naming_another_request_is_never_passed_on() -> None:
         assert_recovered(router)
 
 
+@pytest.mark.e2e
 def test_a_copy_of_a_probes_answer_is_never_a_clients_answer() -> None:
     """The router's own GETs (health, metrics, models) share the pooled connections: a copy of a
     probe's answer, sent again unasked, can land just after a client's request went out on the
@@ -284,6 +290,7 @@ def test_a_copy_of_a_probes_answer_is_never_a_clients_answer() -> None:
         assert_recovered(router)
 
 
+@pytest.mark.e2e
 def test_an_answer_naming_another_request_is_retried_elsewhere() -> None:
     async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         writer.write(echoing(exchange, "someone-else") + echoing(exchange))
@@ -301,6 +308,7 @@ def test_an_answer_naming_another_request_is_retried_elsewhere() -> None:
             assert wrong == len(bad.requests) == router.total("specroute_retries_total", backend="e")
 
 
+@pytest.mark.e2e
 def test_two_responses_in_one_write() -> None:
     async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         extra = response(body=answer_for("EXTRA")) if exchange.index == 0 else b""
@@ -313,6 +321,7 @@ def test_two_responses_in_one_write() -> None:
         assert_recovered(router)
 
 
+@pytest.mark.e2e
 def test_a_204_followed_by_bytes() -> None:
     async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         if exchange.index > 0:
@@ -327,6 +336,7 @@ def test_a_204_followed_by_bytes() -> None:
         assert_recovered(router)
 
 
+@pytest.mark.e2e
 def test_a_reused_connection_closed_after_the_engine_read_the_post_is_not_sent_again() -> None:
     async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         if exchange.index == 1:
@@ -392,6 +402,7 @@ def test_a_pooled_connection_the_engine_closed_is_not_used_for_a_pinned_post(loo
 # -- bodies the router must read right ---------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("version", "headers"), [(b"HTTP/1.0", b""), (b"HTTP/1.1", b"connection: close\r\n")], ids=["http10", "close"]
 )
@@ -410,6 +421,7 @@ def test_close_delimited_bodies_are_served(version: bytes, headers: bytes) -> No
         assert_recovered(router)
 
 
+@pytest.mark.e2e
 def test_a_close_delimited_stream_is_served() -> None:
     async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         if exchange.index > 0:
@@ -429,6 +441,7 @@ def test_a_close_delimited_stream_is_served() -> None:
         assert_recovered(router)
 
 
+@pytest.mark.e2e
 def test_gzip_answers_reach_the_client_decoded() -> None:
     """The router asks for identity; an engine that compresses anyway has its body decoded, and
     the client gets it with no Content-Encoding, whole or streamed."""
@@ -471,6 +484,7 @@ def test_gzip_answers_reach_the_client_decoded() -> None:
 # -- sizes past the limits ----------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "head",
     [
@@ -494,6 +508,7 @@ def test_huge_response_heads_are_a_502_with_nothing_passed_on(head: bytes) -> No
         assert_recovered(router)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
 def test_a_huge_body_is_refused_not_buffered(declared: bool) -> None:
     """The limit is 1 MiB; the engine offers 256 MiB. The router stops reading at the limit, so
@@ -519,6 +534,7 @@ def test_a_huge_body_is_refused_not_buffered(declared: bool) -> None:
         assert_recovered(router)
 
 
+@pytest.mark.e2e
 def test_an_unterminated_huge_event_ends_the_stream_with_one_error_event() -> None:
     block = b"a" * 65536
 
@@ -547,6 +563,7 @@ def test_an_unterminated_huge_event_ends_the_stream_with_one_error_event() -> No
         assert_recovered(router)
 
 
+@pytest.mark.e2e
 def test_engine_json_nested_past_the_parsers_depth_is_relayed_not_a_500() -> None:
     # The router reads `usage` from a whole answer and from each streamed event; JSON too deep for
     # Python's parser must leave it without usage, not fail the request.
@@ -570,6 +587,7 @@ def test_engine_json_nested_past_the_parsers_depth_is_relayed_not_a_500() -> Non
         assert streamed.status_code == 200 and events(streamed) == [deep.decode(), "[DONE]"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("method", ["GET", "HEAD", "DELETE"])
 def test_a_bodiless_request_goes_upstream_without_a_length_or_a_body(method: str) -> None:
     # A Content-Length: 0 on a GET or HEAD is a body the method does not have (RFC 9110 §8.6):

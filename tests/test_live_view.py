@@ -36,6 +36,7 @@ def _stream_body(**extra: Any) -> dict[str, Any]:
     return {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "stream": True, **extra}
 
 
+@pytest.mark.e2e
 def test_first_token_time_is_recorded_when_the_first_token_arrives(cluster: Cluster) -> None:
     cluster.fast.stall_after = 1  # one token, then silence: the request is far from finished
     with (
@@ -56,6 +57,7 @@ def test_first_token_time_is_recorded_when_the_first_token_arrives(cluster: Clus
     assert cluster.fast.wait_idle(2)
 
 
+@pytest.mark.e2e
 def test_the_oldest_stream_waiting_for_its_first_token_shows_while_it_waits(cluster: Cluster) -> None:
     cluster.fast.first_token_delay = 30  # a queue inside the engine, as the router sees it
 
@@ -98,6 +100,7 @@ def _spec_counters(drafts: int, accepted: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+@pytest.mark.e2e
 def test_the_last_acceptance_is_kept_with_its_age_while_the_engine_idles(make_cluster: Any) -> None:
     with make_cluster(scrape={"interval": 0.02, "stale_after": 1}) as cluster:
         engine = cluster.fast
@@ -168,6 +171,7 @@ def test_requests_waiting_count_as_a_queue_only_while_the_engine_has_no_room(kv:
     assert state["fast"].engine_queued == queue
 
 
+@pytest.mark.e2e
 def test_engine_readings_going_stale_and_fresh_again_are_logged(
     make_cluster: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -25,6 +25,8 @@ from tests.conftest import _merge, settings_data
 from tests.fake_engine import FakeEngine
 from tests.servers import ServerThread
 
+pytestmark = pytest.mark.e2e  # routers served on loopback in front of fake engines
+
 MODEL = "test-model"
 
 

@@ -36,6 +36,7 @@ def _records(caplog: pytest.LogCaptureFixture, count: int) -> list[logging.LogRe
     return wait_until(access, timeout=2, interval=0.005, message=f"{count} access lines")
 
 
+@pytest.mark.e2e
 def test_access_line_as_json_and_text(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="specroute.access"):
         client = openai.OpenAI(base_url=cluster.base_url, api_key="sk-secret-key-123", max_retries=0)
@@ -65,6 +66,7 @@ def test_access_line_as_json_and_text(cluster: Cluster, caplog: pytest.LogCaptur
     assert f"client={entry['client']} " in text and " code=- " in text
 
 
+@pytest.mark.e2e
 def test_error_code_in_the_access_line(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="specroute.access"):
         httpx.post(cluster.base_url + "/chat/completions", content=b"[1, 2", headers={"X-Request-Id": "r1"})
@@ -93,6 +95,7 @@ def _free_port() -> int:
         return port
 
 
+@pytest.mark.e2e  # the demo in its own process
 def test_demo_listens_where_the_environment_says_and_logs_json() -> None:
     # In a container SPECROUTE_LISTEN__HOST=0.0.0.0: the embedded demo must take it. 127.0.0.2 is
     # loopback too, but reaches only a socket bound to all addresses, not one on 127.0.0.1.
@@ -153,6 +156,7 @@ def _wait_for_line(caplog: pytest.LogCaptureFixture, text: str) -> logging.LogRe
     return found[0]
 
 
+@pytest.mark.e2e
 def test_backend_state_changes_are_logged_once_each(make_cluster: Any, caplog: pytest.LogCaptureFixture) -> None:
     health = {"interval": 0.05, "unhealthy_after": 2, "healthy_after": 2, "eject_after": 1, "ejection_seconds": 10}
     clock = ManualClock()  # the router's live clock: the ejection ends when the test says so
@@ -186,6 +190,7 @@ def test_backend_state_changes_are_logged_once_each(make_cluster: Any, caplog: p
     assert len([line for line in lines if " returned after ejection" in line]) == 1, lines
 
 
+@pytest.mark.e2e
 def test_an_ejected_backend_still_down_when_its_time_is_over_is_logged_once_then_its_return(
     make_cluster: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -15,6 +15,8 @@ import pytest
 from tests.conftest import Cluster
 from tests.wait import wait_until
 
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
+
 promtool = shutil.which("promtool")
 INTERACTIVE = {"pool": "fast", "backend": "fast-1", "job_class": "interactive"}
 

@@ -15,6 +15,8 @@ import pytest
 from tests.conftest import Cluster
 from tests.wait import wait_until
 
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
+
 
 def _access_lines(caplog: pytest.LogCaptureFixture, count: int = 1) -> list[str]:
     """The access-log lines, once `count` are there: the router logs just after the last byte."""

@@ -10,10 +10,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import pytest
 
 from router.clock import ManualClock
 from tests.conftest import Cluster
 from tests.wait import wait_until
+
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
 
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

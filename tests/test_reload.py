@@ -394,15 +394,25 @@ def pem(tmp_path: Path) -> dict[str, str]:
     return {name: str(path) for name, path in files.items()}
 
 
-@pytest.mark.parametrize("key", sorted(RELOADABLE))
+@pytest.mark.parametrize(
+    "key",
+    # e2e: a fake engine served on loopback, watched for up to 2 s
+    [
+        pytest.param(key, marks=pytest.mark.e2e) if isinstance(RELOADABLE[key][1], WithEngine) else key
+        for key in sorted(RELOADABLE)
+    ],
+)
 def test_a_reload_reaches_the_part_that_uses_the_setting(
-    key: str, pem: dict[str, str], engine: tuple[FakeEngine, str], monkeypatch: pytest.MonkeyPatch
+    key: str, pem: dict[str, str], request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SPECROUTE_TEST_ENGINE_KEY", "engine-key")
     monkeypatch.setenv("SPECROUTE_TEST_CLIENT_KEYS", "client-key")
     monkeypatch.setenv("SPECROUTE_TEST_ADMIN_KEY", "admin-key")
-    fake, url = engine
     value, row = RELOADABLE[key]
+    if isinstance(row, WithEngine):  # the row looks at what an engine saw: one is started
+        fake, url = request.getfixturevalue("engine")
+    else:  # it looks at the router alone, which never reaches the engine's address
+        fake, url = FakeEngine(), "http://127.0.0.1:1"
     observe: Observe = (lambda r: row.observe(r, fake)) if isinstance(row, WithEngine) else row
     value = pem.get(value, value) if isinstance(value, str) else value
     base = {
@@ -429,6 +439,7 @@ def test_a_reload_names_the_settings_that_need_a_restart(key: str) -> None:
     assert answer["needs_restart"] == [key]
 
 
+@pytest.mark.e2e
 def test_a_request_under_way_keeps_the_settings_it_arrived_with(
     tmp_path: Path, make_cluster: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -193,6 +193,7 @@ def test_scraper_reads_a_simulated_engine_over_http() -> None:
         asyncio.run(scenario())
 
 
+@pytest.mark.e2e  # an engine served on loopback
 def test_a_request_sent_while_a_scrape_is_out_counts_on_top_of_its_reading() -> None:
     """Pass: the reading was taken before the request reached the engine, so the router's view is
     the reading plus that request (counting it as included would let one too many through)."""

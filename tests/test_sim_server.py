@@ -20,6 +20,8 @@ from tests.servers import ServerThread
 from tests.timing import too_busy_to_time
 from tests.wait import until, wait_until
 
+pytestmark = pytest.mark.e2e  # the simulated engine served on loopback
+
 MODEL = "glm-5.3-flash"
 PROSE = "Describe a walk through an old harbour town on a foggy morning."
 CODE = "Implement an LRU cache in Python.\n```python\nclass LRUCache:\n    pass\n```"
@@ -150,7 +152,6 @@ def test_metrics_have_vllm_names_and_pass_promtool(engine: ServerThread) -> None
         assert re.fullmatch(r"vllm:\w+ metric names should not contain ':'", finding), finding
 
 
-@pytest.mark.e2e
 def test_burst_of_40_queues_on_the_fast_engine_and_disconnects_free_it() -> None:
     with ServerThread(create_sim_app(load_profile("fast"), time_scale=20)) as server:
         runner = server.app.state.runner
@@ -188,7 +189,6 @@ def test_stream_disconnect_aborts_the_request() -> None:
         assert runner.engine.counters.aborted == 1
 
 
-@pytest.mark.e2e
 def test_time_scale_reports_real_time_speed() -> None:
     scale = 20
     profile = load_profile("team")

@@ -29,6 +29,8 @@ from router.sim.server import create_sim_app
 from tests.servers import ServerThread
 from tests.wait import wait_until
 
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of two simulated engines
+
 MODEL = "glm-5.3-flash"
 WEATHER: Any = {
     "type": "function",

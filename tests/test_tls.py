@@ -13,6 +13,8 @@ import trustme
 from tests.raw_engine import Exchange, RawEngine, completion, response
 from tests.test_hostile_engine import answer_text, routed
 
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of engines over https
+
 
 async def answer_and_close(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
     """Every request on a connection of its own, so each one shakes hands anew."""

@@ -200,15 +200,15 @@ async def test_chunks_keep_a_stream_alive_past_its_idle_timeout_until_they_stop(
     async def trickles(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-        for _ in range(24):  # 2.4 s of pieces, more than twice the idle timeout
+        for _ in range(24):  # 1.2 s of pieces, more than twice the idle timeout
             writer.write(b"1\r\na\r\n")
             await writer.drain()
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.05)
         await asyncio.sleep(5)
 
     transport = _transport()
     async with raw_server(trickles) as (url, _, _):
-        response = await _post(transport, url, timeouts=Timeouts(connect=1, read=10, idle=1.0))
+        response = await _post(transport, url, timeouts=Timeouts(connect=1, read=10, idle=0.5))
         received: list[bytes] = []
         with pytest.raises(ReadTimeout):
             await _read_into(response, received)
@@ -352,6 +352,7 @@ def test_a_pooled_connection_the_engine_closed_is_never_written_on(loop: str) ->
     assert [(exchange.connection, exchange.body) for exchange in engine.requests] == [(1, b"first"), (2, b"second")]
 
 
+@pytest.mark.e2e  # through a whole router, served on loopback
 def test_a_reload_reaches_pooled_connections(
     tmp_path: Path, make_cluster: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
