@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from router.bench.load import Target
-from router.bench.report import prior_block, sweep_data
+from router.bench.report import prior_block, spill_table, sweep_data
 from router.bench.scenarios import sweep
 from router.cli import main
 from router.config import Pool
@@ -133,3 +133,22 @@ def test_bench_spill_together_reaches_the_load_generator(tmp_path: Path) -> None
     assert set(runs) == {"routed (adaptive)", "speculative alone", "standard with the batch"}
     assert {name: (run["requests"], run["errors"]) for name, run in runs.items()} == dict.fromkeys(runs, (4, 0))
     assert "users arriving together" in (tmp_path / "report.md").read_text()
+
+
+def test_the_spill_table_sets_adaptive_mode_against_the_references_whatever_the_order() -> None:
+    """With `--modes static,adaptive` the judged column was the first mode's, still labelled adaptive."""
+
+    def run(tps: float, worst: float) -> dict[str, float]:
+        return {"per_user_tps": tps, "on_speculative": 34, "requests": 34, "ttft_worst": worst}
+
+    point = {
+        "users": 4,
+        "routed (static)": run(32.7, 0.31),
+        "routed (adaptive)": run(32.2, 0.45),
+        "speculative alone": run(33.1, 0.2),
+        "standard with the batch": run(5.6, 0.9),
+    }
+    args = type("Args", (), {"batch": 96, "kind": "prose", "max_tokens": 256, "duration": 90.0})()
+    header, _, row = spill_table([point], ["static", "adaptive"], args).splitlines()[-3:]
+    assert header.endswith("| adaptive vs the better | worst TTFT |")
+    assert row.endswith("| 97% | 0.45 s |")
