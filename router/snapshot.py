@@ -75,15 +75,15 @@ def predicted_ttft(backend: Backend, pool: Pool, *, now: float, kv_threshold: fl
     reading = backend.engine.reading
     fresh = reading.fresh(now, stale_after)
     waiting = (reading.waiting or 0) if fresh else 0
-    overflow = backend.overflow(now, stale_after, kv_threshold)
     queued = pool.queued()
     slots_full = backend.in_flight >= backend.max_concurrency
-    projected = backend.kv_projected(now, stale_after)
+    projected = backend.kv_projected(now, stale_after)  # past the threshold whenever any overflow
     no_room = (fresh and not backend.has_engine_room(now, stale_after, kv_threshold)) or (
         projected is not None and projected >= kv_threshold
     )
-    if not (waiting or overflow or queued or slots_full or no_room):
+    if not (waiting or queued or slots_full or no_room):
         return base
+    overflow = backend.overflow(now, stale_after, kv_threshold)
     running = max(1.0, float(backend.in_flight - overflow), (reading.running or 0.0) if fresh else 0.0)
     duration = pool.mean_duration if pool.mean_duration is not None else UNMEASURED_DURATION
     return base + (waiting + overflow + queued + 1) * duration / running
