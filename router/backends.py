@@ -64,6 +64,7 @@ class Backend:
         self.api_key = config.api_key()
         self.max_concurrency = config.max_concurrency
         self.in_flight = 0
+        self.sent = 0  # requests it was ever given a slot for
         self.draining = False  # set by an operator: no new work, running requests finish
         self.outlier = Outlier(name, pool)
         self.engine = EngineView()
@@ -274,6 +275,7 @@ class Pool:
             return None
         backend = min(candidates, key=lambda b: b.load)
         backend.in_flight += 1
+        backend.sent += 1
         return backend
 
     def _retry_after(self) -> int:

@@ -30,8 +30,8 @@ class EngineLoad:
     # Requests the engine states its KV cache holds at full length (vLLM's cache_config_info).
     max_concurrency: float | None = None
     scraped_at: float = 0.0  # clock seconds; 0 = never
-    # This router's requests that the reading surely counts: those sent before the scrape was
-    # asked for and still running when it came back (one sent meanwhile may not have reached it).
+    # This router's requests that the reading counts (EngineView.counted), still running when it
+    # came back: none sent after the scrape was asked for, and maybe not all sent just before.
     own_in_flight: int = 0
 
     def fresh(self, now: float, stale_after: float) -> bool:
@@ -69,6 +69,27 @@ class EngineView:
             self.stated_concurrency = reading.max_concurrency
         if reading.acceptance is not None:
             self.acceptance = Acceptance(reading.acceptance, reading.accept_length, reading.scraped_at)
+
+    def counted(self, reading: EngineLoad, *, earlier: int, recent: int) -> int:
+        """How many of this router's requests a new reading counts, of those running when it was
+        asked for: `earlier`, sent before the previous reading was asked for, and `recent`, sent
+        since.
+
+        The earlier ones are in it. A recent one may not be: the engine answers the scrape on
+        another connection and may not yet have read that request, or stepped with it. Of those,
+        only as many are taken as counted as the reading rose above the others' load (other
+        clients', other routers': the previous reading less this router's part of it). Taking
+        them all would count one too few on the engine each time a scrape overtakes a request,
+        and let one too many through. When the others' load falls in the same interval, this
+        errs the other way, by that fall, until the next reading."""
+        if reading.running is None:
+            return earlier + recent
+        previous = self.reading
+        others = 0.0
+        if previous.running is not None:
+            others = max(0.0, previous.running + (previous.waiting or 0) - previous.own_in_flight)
+        reported = reading.running + (reading.waiting or 0)
+        return earlier + min(recent, max(0, round(reported - others) - earlier))
 
     def kv_per_request(self, max_concurrency: int) -> float:
         """KV usage one request takes: as last seen with requests running; before that, the prior

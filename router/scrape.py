@@ -133,6 +133,8 @@ class EngineScraper:
         self._clock = clock
         self._config = Scrape()
         self._previous: dict[str, dict[str, list[float]]] = {}
+        # Requests sent to each backend (Backend.sent) when its last good reading was asked for.
+        self._sent: dict[str, int] = {}
 
     def configure(self, config: Scrape) -> None:
         self._config = config
@@ -147,7 +149,10 @@ class EngineScraper:
 
     async def _scrape(self, backend: Backend) -> None:
         config, view = self._config, backend.engine
-        sent_before = backend.in_flight
+        sent, running = backend.sent, backend.in_flight
+        # Of the requests running now, those sent since the last good reading was asked for.
+        before = self._sent.get(backend.name, 0)
+        recent = running if before > sent else min(running, sent - before)  # (a new Backend: all)
         try:
             async with asyncio.timeout(config.timeout):
                 status, body = await self._transport.get(backend.url + "/metrics", headers=backend.auth_headers)
@@ -169,8 +174,10 @@ class EngineScraper:
                 )
             return
         load = engine_load(values, self._previous.get(backend.name), self._clock.now())
-        view.observe(dataclasses.replace(load, own_in_flight=min(sent_before, backend.in_flight)))
+        counted = view.counted(load, earlier=running - recent, recent=recent)
+        view.observe(dataclasses.replace(load, own_in_flight=min(counted, backend.in_flight)))
         self._previous[backend.name] = values
+        self._sent[backend.name] = sent
         if view.stale:
             view.stale = False
             logger.info("backend %s (pool %s) engine readings fresh again", backend.name, backend.pool)

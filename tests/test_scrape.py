@@ -231,6 +231,54 @@ def test_a_request_sent_while_a_scrape_is_out_counts_on_top_of_its_reading() -> 
         assert asyncio.run(scenario()) == 4
 
 
+@pytest.mark.e2e  # an engine served on loopback
+def test_a_request_the_engine_has_not_counted_yet_is_not_taken_as_counted() -> None:
+    """Pass: a request sent just before a scrape, that the engine's reading does not count yet
+    (it answers the scrape on another connection), still counts on top of the reading, while a
+    request the reading does count is not counted twice. Taken as counted, it let one request
+    too many onto the speculative engine when two routers shared it."""
+    reported = {"running": 3}  # another router's three
+
+    async def metrics(request: Request) -> PlainTextResponse:
+        running = f'vllm:num_requests_running{{model_name="m"}} {reported["running"]}\n'
+        return PlainTextResponse("# TYPE vllm:num_requests_running gauge\n" + running)
+
+    with ServerThread(Starlette(routes=[Route("/metrics", metrics)])) as engine:
+        settings = Settings(
+            pools={"fast": {"speculative": True, "backends": {"f1": {"url": engine.url}}}}  # type: ignore[dict-item]
+        )
+        pools = Pools()
+        pools.configure(settings.pools, settings.health)
+        pool = pools["fast"]
+        clock = ManualClock()
+
+        async def scenario() -> list[int]:
+            upstream = AiohttpTransport(connections_per_origin=64, tls=ssl.create_default_context())
+            scraper = EngineScraper(pools, upstream, clock=clock)
+            scraper.configure(Scrape(interval=1, timeout=5, stale_after=5))
+            seen = []
+
+            async def scrape(running: int) -> None:
+                reported["running"] = running
+                await scraper.scrape_all()
+                seen.append(backend.concurrency(clock.now(), stale_after=5))
+
+            try:
+                await scraper.scrape_all()
+                backend = await pool.acquire("interactive")
+                await scrape(3)  # the engine has not read it yet
+                await scrape(4)  # now it has
+                await scrape(4)  # and still has: sent before the reading before
+                await scrape(2)  # the other router's load fell to one
+                await pool.acquire("interactive")
+                await scrape(2)  # not read yet, and the others' load did not change
+            finally:
+                await upstream.aclose()
+            return seen
+
+        assert asyncio.run(scenario()) == [4, 4, 4, 2, 3]
+
+
 # vLLM 0.32.0 (CPU build), `--kv-cache-memory-bytes 8M`, as its /metrics wrote it (labels trimmed).
 VLLM_CACHE_CONFIG = """\
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
