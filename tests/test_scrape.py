@@ -15,7 +15,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from router.backends import Pools
-from router.clock import ManualClock, MonotonicClock
+from router.clock import Clock, ManualClock, MonotonicClock
 from router.config import Scrape, Settings
 from router.scrape import EngineScraper, engine_load, parse
 from router.sim.profile import load_profile
@@ -128,21 +128,30 @@ def test_staleness() -> None:
     assert not load.fresh(now=106.0, stale_after=5)
 
 
+def _pools_in_front_of(url: str) -> Pools:
+    """One speculative pool, `fast`, of one backend at `url`."""
+    settings = Settings(pools={"fast": {"speculative": True, "backends": {"f1": {"url": url}}}})  # type: ignore[dict-item]
+    pools = Pools()
+    pools.configure(settings.pools, settings.health)
+    return pools
+
+
+def _scraper(pools: Pools, clock: Clock, config: Scrape) -> tuple[AiohttpTransport, EngineScraper]:
+    upstream = AiohttpTransport(connections_per_origin=64, tls=ssl.create_default_context())
+    scraper = EngineScraper(pools, upstream, clock=clock)
+    scraper.configure(config)
+    return upstream, scraper
+
+
 @pytest.mark.e2e
 def test_scraper_reads_a_simulated_engine_over_http() -> None:
     fast = load_profile("fast")
     # Slow enough that none of the 30 ends before the last has arrived, on a busy machine too.
     with ServerThread(create_sim_app(fast, time_scale=2)) as engine:
-        settings = Settings(
-            pools={"fast": {"speculative": True, "backends": {"f1": {"url": engine.url}}}}  # type: ignore[dict-item]
-        )
-        pools = Pools()
-        pools.configure(settings.pools, settings.health)
+        pools = _pools_in_front_of(engine.url)
 
         async def scenario() -> None:
-            upstream = AiohttpTransport(connections_per_origin=64, tls=ssl.create_default_context())
-            scraper = EngineScraper(pools, upstream, clock=MonotonicClock())
-            scraper.configure(Scrape(interval=0.05, timeout=1, stale_after=5))
+            upstream, scraper = _scraper(pools, MonotonicClock(), Scrape(interval=0.05, timeout=1, stale_after=5))
             requests: list[asyncio.Task[Any]] = []
             try:
                 await scraper.scrape_all()
@@ -206,18 +215,12 @@ def test_a_request_sent_while_a_scrape_is_out_counts_on_top_of_its_reading() -> 
         return PlainTextResponse("# TYPE vllm:num_requests_running gauge\n" + running)
 
     with ServerThread(Starlette(routes=[Route("/metrics", metrics)])) as engine:
-        settings = Settings(
-            pools={"fast": {"speculative": True, "backends": {"f1": {"url": engine.url}}}}  # type: ignore[dict-item]
-        )
-        pools = Pools()
-        pools.configure(settings.pools, settings.health)
+        pools = _pools_in_front_of(engine.url)
         pool = pools["fast"]
         clock = ManualClock()
 
         async def scenario() -> int:
-            upstream = AiohttpTransport(connections_per_origin=64, tls=ssl.create_default_context())
-            scraper = EngineScraper(pools, upstream, clock=clock)
-            scraper.configure(Scrape(interval=1, timeout=5, stale_after=5))
+            upstream, scraper = _scraper(pools, clock, Scrape(interval=1, timeout=5, stale_after=5))
             try:
                 scrape = asyncio.create_task(scraper.scrape_all())
                 await asyncio.to_thread(asked.wait, 5)
@@ -244,18 +247,12 @@ def test_a_request_the_engine_has_not_counted_yet_is_not_taken_as_counted() -> N
         return PlainTextResponse("# TYPE vllm:num_requests_running gauge\n" + running)
 
     with ServerThread(Starlette(routes=[Route("/metrics", metrics)])) as engine:
-        settings = Settings(
-            pools={"fast": {"speculative": True, "backends": {"f1": {"url": engine.url}}}}  # type: ignore[dict-item]
-        )
-        pools = Pools()
-        pools.configure(settings.pools, settings.health)
+        pools = _pools_in_front_of(engine.url)
         pool = pools["fast"]
         clock = ManualClock()
 
         async def scenario() -> list[int]:
-            upstream = AiohttpTransport(connections_per_origin=64, tls=ssl.create_default_context())
-            scraper = EngineScraper(pools, upstream, clock=clock)
-            scraper.configure(Scrape(interval=1, timeout=5, stale_after=5))
+            upstream, scraper = _scraper(pools, clock, Scrape(interval=1, timeout=5, stale_after=5))
             seen = []
 
             async def scrape(running: int) -> None:
