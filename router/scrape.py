@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -56,16 +57,20 @@ def parse(text: str) -> dict[str, list[float]]:
     """Every sample of a Prometheus exposition by sample name, one value per label set.
 
     The labels of vLLM's `cache_config_info` (its stated capacity) are kept as the values of
-    `vllm:cache_config_info:<label>`, for the ones that are numbers.
+    `vllm:cache_config_info:<label>`, for the ones that are numbers. A value that is not a finite
+    number (the exposition format allows `NaN` and `+Inf`) says nothing of a load and is left
+    out, as if the engine had not sent it.
     """
     samples: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            samples.setdefault(sample.name, []).append(sample.value)
+            if math.isfinite(sample.value):
+                samples.setdefault(sample.name, []).append(sample.value)
             if sample.name == _CACHE_INFO:
                 for label, value in sample.labels.items():
                     with contextlib.suppress(ValueError):
-                        samples.setdefault(f"{_CACHE_INFO}:{label}", []).append(float(value))
+                        if math.isfinite(number := float(value)):
+                            samples.setdefault(f"{_CACHE_INFO}:{label}", []).append(number)
     return samples
 
 

@@ -276,6 +276,50 @@ def test_a_request_the_engine_has_not_counted_yet_is_not_taken_as_counted() -> N
         assert asyncio.run(scenario()) == [4, 4, 4, 2, 3]
 
 
+@pytest.mark.e2e  # an engine served on loopback
+def test_an_engine_reporting_nan_or_infinity_leaves_the_router_counting_its_own() -> None:
+    """Pass: `NaN` and `+Inf` (valid in the exposition format) are no reading. Read as numbers,
+    they made working out the engine's load raise on every request sent to it, and stopped the
+    scrapes of every engine."""
+    reported = {"running": "NaN", "kv": "+Inf", "capacity": "NaN"}
+
+    async def metrics(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{model_name="m"}} {reported["running"]}\n'
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f'vllm:kv_cache_usage_perc{{model_name="m"}} {reported["kv"]}\n'
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{kv_cache_max_concurrency="{reported["capacity"]}"}} 1.0\n'
+        )
+
+    with ServerThread(Starlette(routes=[Route("/metrics", metrics)])) as engine:
+        pools = _pools_in_front_of(engine.url)
+        pool = pools["fast"]
+        clock = ManualClock()
+
+        async def scenario() -> tuple[int, float | None, float | None, int, float | None]:
+            upstream, scraper = _scraper(pools, clock, Scrape(interval=1, timeout=5, stale_after=5))
+            try:
+                backend = await pool.acquire("interactive")
+                await scraper.scrape_all()
+                view = backend.engine
+                hostile = (
+                    backend.concurrency(clock.now(), stale_after=5),
+                    view.reading.kv_usage,
+                    view.stated_concurrency,
+                )
+                reported.update(running="3", kv="0.5", capacity="8")
+                await scraper.scrape_all()  # the scrapes go on
+                return *hostile, backend.concurrency(clock.now(), stale_after=5), view.stated_concurrency
+            finally:
+                await upstream.aclose()
+
+        concurrency, kv, capacity, later, stated = asyncio.run(scenario())
+    assert (concurrency, kv, capacity) == (1, None, None)  # the router's own request, nothing else
+    assert (later, stated) == (3, 8.0)
+
+
 # vLLM 0.32.0 (CPU build), `--kv-cache-memory-bytes 8M`, as its /metrics wrote it (labels trimmed).
 VLLM_CACHE_CONFIG = """\
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
