@@ -101,19 +101,25 @@ class Backend:
         """Requests on the engine: its reading plus what this router sent since (router.engines)."""
         return self.engine.concurrency(now, stale_after, in_flight=self.in_flight)
 
-    def kv_projected(self, now: float, stale_after: float) -> float | None:
+    def kv_projected(self, now: float, stale_after: float, tokens: int | None = None) -> float | None:
+        """The engine's KV usage once one more request of `tokens` is sent (router.engines)."""
         return self.engine.kv_projected(
-            now, stale_after, in_flight=self.in_flight, max_concurrency=self.max_concurrency
+            now, stale_after, in_flight=self.in_flight, max_concurrency=self.max_concurrency, tokens=tokens
         )
 
-    def overflow(self, now: float, stale_after: float, kv_threshold: float) -> int:
+    def overflow(self, now: float, stale_after: float, kv_threshold: float, tokens: int | None = None) -> int:
         """Its requests projected to wait inside the engine for KV room (router.engines)."""
         return self.engine.overflow(
-            now, stale_after, kv_threshold, in_flight=self.in_flight, max_concurrency=self.max_concurrency
+            now,
+            stale_after,
+            kv_threshold,
+            in_flight=self.in_flight,
+            max_concurrency=self.max_concurrency,
+            tokens=tokens,
         )
 
-    def has_engine_room(self, now: float, stale_after: float, kv_threshold: float) -> bool:
-        return self.engine.has_room(now, stale_after, kv_threshold, max_concurrency=self.max_concurrency)
+    def has_engine_room(self, now: float, stale_after: float, kv_threshold: float, tokens: int | None = None) -> bool:
+        return self.engine.has_room(now, stale_after, kv_threshold, max_concurrency=self.max_concurrency, tokens=tokens)
 
 
 @dataclass(frozen=True, slots=True)

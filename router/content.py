@@ -64,3 +64,23 @@ def request_text(payload: Mapping[str, Any]) -> str:
     if isinstance(payload.get("input"), str):
         parts.append(payload["input"])
     return "\n".join(parts)
+
+
+# Characters per token of the prompt, for an estimate without a tokenizer (English text and code
+# run 3.5-4.5 to a token on the tokenizers of today's models).
+_CHARS_PER_TOKEN = 4
+_ANSWER_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+
+
+def request_tokens(payload: Mapping[str, Any]) -> int | None:
+    """The tokens a request holds at its end, estimated: its prompt and the longest answers it
+    allows (`n` of them). None when it sets no answer limit: the engine's own default is not known."""
+    limit = next((count for key in _ANSWER_LIMITS if (count := _count(payload.get(key)))), None)
+    if limit is None:
+        return None
+    return -(-len(request_text(payload)) // _CHARS_PER_TOKEN) + (_count(payload.get("n")) or 1) * limit
+
+
+def _count(value: object) -> int | None:
+    """A positive integer (not a bool, which Python counts as one), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

@@ -27,8 +27,12 @@ class EngineLoad:
     acceptance: float | None = None  # accepted ÷ drafted tokens since the previous scrape
     accept_length: float | None = None  # tokens a sequence gains per step (1 + accepted per draft)
     draft_tokens: float | None = None  # guessed tokens per step and sequence (k)
-    # Requests the engine states its KV cache holds at full length (vLLM's cache_config_info).
+    # Requests the engine states its KV cache holds at full length (vLLM's cache_config_info),
+    # and the cache's size in tokens, its block size and that full length, as it states them there.
     max_concurrency: float | None = None
+    kv_cache_tokens: float | None = None
+    block_size: float | None = None
+    model_len: float | None = None
     scraped_at: float = 0.0  # clock seconds; 0 = never
     # This router's requests that the reading counts (EngineView.counted), still running when it
     # came back: none sent after the scrape was asked for, and maybe not all sent just before.
@@ -55,8 +59,10 @@ class EngineView:
         self.reading = EngineLoad()  # the latest scrape of its /metrics
         self.stale = False  # its readings went stale (logged once; fresh again logs again)
         self._kv_per_request: float | None = None  # KV usage per running request, as last seen
-        # What the engine states of its capacity (vLLM's cache_config_info): requests that fit.
+        # What the engine states of its capacity (vLLM's cache_config_info): requests of full
+        # length that fit, and the cache's size, block size and full length, as one reading.
         self.stated_concurrency: float | None = None
+        self.stated = EngineLoad()
         self.acceptance: Acceptance | None = None
 
     def observe(self, reading: EngineLoad) -> None:
@@ -67,6 +73,8 @@ class EngineView:
             self._kv_per_request = reading.kv_usage / reading.running
         if reading.max_concurrency:
             self.stated_concurrency = reading.max_concurrency
+        if reading.kv_cache_tokens:
+            self.stated = reading
         if reading.acceptance is not None:
             self.acceptance = Acceptance(reading.acceptance, reading.accept_length, reading.scraped_at)
 
@@ -91,16 +99,44 @@ class EngineView:
         reported = reading.running + (reading.waiting or 0)
         return earlier + min(recent, max(0, round(reported - others) - earlier))
 
-    def kv_per_request(self, max_concurrency: int) -> float:
-        """KV usage one request takes: as last seen with requests running; before that, the prior
-        of the capacity the engine states and the configured `max_concurrency`, whichever is less.
-        So a burst on a router that has not yet seen the engine loaded still projects it full."""
+    def kv_per_request(self, max_concurrency: int, tokens: int | None = None) -> float:
+        """KV usage one request takes, the larger of two figures once a reading has shown requests
+        running: the usage per running request it showed, and the share of the cache the request
+        itself holds at its end (`_kv_of`). A reading that caught requests just admitted shows
+        their prompts only, a fraction of what each holds by its end. Before such a reading, the
+        request's own share; without one (its length or the cache's size unknown), the capacity
+        the engine states or the configured `max_concurrency`, whichever is less. So a burst on a
+        router that has not yet seen the engine loaded still projects it full."""
+        own = self._kv_of(tokens)
         if self._kv_per_request is not None:
-            return self._kv_per_request
+            return max(self._kv_per_request, own)
+        if own:
+            return own
         slots = min(max_concurrency, self.stated_concurrency or math.inf)
         return 1.0 / max(1.0, slots)
 
-    def kv_projected(self, now: float, stale_after: float, *, in_flight: int, max_concurrency: int) -> float | None:
+    def _kv_of(self, tokens: int | None) -> float:
+        """The share of the engine's KV cache a request of `tokens` (its prompt and the answer it
+        allows, router.content) holds at its end, in whole blocks; 0 if either is unknown.
+
+        vLLM states the requests of `max_model_len` its cache holds: the cache's size over that
+        length. Where the engine states that length too and its capacity is less, the difference
+        is what each request holds besides its tokens (the simulator's overhead). At most the
+        whole cache: a client's limit can be any integer."""
+        stated = self.stated
+        size = stated.kv_cache_tokens
+        if not tokens or not size:
+            return 0.0
+        overhead = 0.0
+        if stated.max_concurrency and stated.model_len:
+            overhead = max(0.0, size / stated.max_concurrency - stated.model_len)
+        block = stated.block_size or 1.0
+        need = min(min(tokens, size) + overhead, size)  # compared first: an int past any float
+        return min(1.0, math.ceil(need / block) * block / size)
+
+    def kv_projected(
+        self, now: float, stale_after: float, *, in_flight: int, max_concurrency: int, tokens: int | None = None
+    ) -> float | None:
         """The engine's KV usage once one more request is sent: the last reading, plus what each
         request sent since (and the next one) will take, at the usage per running request.
 
@@ -112,10 +148,17 @@ class EngineView:
         if since is None:
             return None  # the engine says nothing of its KV cache
         usage, sent = since
-        return usage + self.kv_per_request(max_concurrency) * (sent + 1)
+        return usage + self.kv_per_request(max_concurrency, tokens) * (sent + 1)
 
     def overflow(
-        self, now: float, stale_after: float, kv_threshold: float, *, in_flight: int, max_concurrency: int
+        self,
+        now: float,
+        stale_after: float,
+        kv_threshold: float,
+        *,
+        in_flight: int,
+        max_concurrency: int,
+        tokens: int | None = None,
     ) -> int:
         """This router's requests sent since the reading that the KV cache holds no room for below
         the threshold, as projected: they wait inside the engine for others to finish. A burst
@@ -124,7 +167,7 @@ class EngineView:
         if since is None:
             return 0
         usage, sent = since
-        fits = max(0, math.ceil((kv_threshold - usage) / self.kv_per_request(max_concurrency)) - 1)
+        fits = max(0, math.ceil((kv_threshold - usage) / self.kv_per_request(max_concurrency, tokens)) - 1)
         return max(0, sent - fits)
 
     def _since_reading(self, now: float, stale_after: float, *, in_flight: int) -> tuple[float, int] | None:
@@ -139,7 +182,9 @@ class EngineView:
             return 0.0, in_flight
         return reading.kv_usage, max(0, in_flight - reading.own_in_flight)
 
-    def has_room(self, now: float, stale_after: float, kv_threshold: float, *, max_concurrency: int) -> bool:
+    def has_room(
+        self, now: float, stale_after: float, kv_threshold: float, *, max_concurrency: int, tokens: int | None = None
+    ) -> bool:
         """Whether the last fresh reading shows a free slot and KV headroom for one more.
         Requests it reports waiting meanwhile are passing through, not a queue."""
         reading = self.reading
@@ -147,7 +192,9 @@ class EngineView:
             return False
         if reading.running is not None and reading.running >= max_concurrency:
             return False
-        return reading.kv_usage is None or reading.kv_usage + self.kv_per_request(max_concurrency) < kv_threshold
+        return (
+            reading.kv_usage is None or reading.kv_usage + self.kv_per_request(max_concurrency, tokens) < kv_threshold
+        )
 
     def concurrency(self, now: float, stale_after: float, *, in_flight: int) -> int:
         """Requests on the engine: what it reported, plus what this router sent it since.

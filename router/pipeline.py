@@ -25,6 +25,7 @@ from router import ingress
 from router.backends import Pools
 from router.clients import Clients
 from router.clock import Clock
+from router.content import request_tokens
 from router.decide import Routed, decide
 from router.errors import RouterError, ShuttingDown
 from router.forward import Answer, Attempts, Forwarder
@@ -88,6 +89,7 @@ class Pipeline:
                         stale_after=plan.stale_after,
                         kv_threshold=plan.routing.kv_threshold,
                         acceptance_max_age=plan.acceptance_max_age,
+                        tokens=request_tokens(incoming.payload),
                     ),
                 )
                 routed = await self._owners.route(incoming, routed, plan)  # a stored response: to its backend

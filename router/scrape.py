@@ -14,10 +14,13 @@ vLLM and SGLang name these differently; both are read:
 | KV usage (0..1) | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `sglang:token_usage` |
 | speculation | `vllm:spec_decode_num_{accepted_tokens,draft_tokens,drafts}_total` | `sglang:spec_accept_*` |
 | stated capacity | `vllm:cache_config_info{kv_cache_max_concurrency}` | (none) |
+| stated KV size | `vllm:cache_config_info{kv_cache_size_tokens,block_size,max_model_len}` | (none) |
 
 The stated capacity (requests of full length that the KV cache holds; else `num_gpu_blocks` ×
 `block_size` ÷ `max_model_len` from the same labels) is the router's prior for the KV a request
-takes, until it has seen the engine loaded.
+takes when the request's length is not known, until it has seen the engine loaded. The stated
+size (else `num_gpu_blocks` × `block_size`) turns a request's own length into the KV it holds at
+its end (router.engines).
 
 An engine with several ranks (data parallel) exports a series per rank: counts are summed,
 the KV usage is the highest, and the speculation figures are averaged.
@@ -86,6 +89,16 @@ def _stated_concurrency(values: Mapping[str, list[float]]) -> float | None:
     return None
 
 
+def _stated_kv_tokens(values: Mapping[str, list[float]]) -> float | None:
+    """The size of the engine's KV cache in tokens, as it states it (of one rank: the KV usage read
+    is the fullest rank's)."""
+    stated = values.get(f"{_CACHE_INFO}:kv_cache_size_tokens")
+    if stated:
+        return min(stated)
+    blocks, size = values.get(f"{_CACHE_INFO}:num_gpu_blocks"), values.get(f"{_CACHE_INFO}:block_size")
+    return min(blocks) * size[0] if blocks and size else None
+
+
 def _first(
     values: Mapping[str, list[float]], names: tuple[str, ...], combine: Callable[[list[float]], float]
 ) -> float | None:
@@ -125,6 +138,9 @@ def engine_load(
         accept_length=accept_length,
         draft_tokens=draft_tokens,
         max_concurrency=_stated_concurrency(values),
+        kv_cache_tokens=_stated_kv_tokens(values),
+        block_size=_first(values, (f"{_CACHE_INFO}:block_size",), min),
+        model_len=_first(values, (f"{_CACHE_INFO}:max_model_len",), min),
         scraped_at=now,
     )
 

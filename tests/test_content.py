@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.content import ContentKind, detect_kind, request_text
+from router.content import ContentKind, detect_kind, request_text, request_tokens
 from router.prompts import prompts
 
 
@@ -116,3 +116,20 @@ def test_detection_time_grows_linearly_with_the_text(unit: str, tail: str) -> No
     # Four times the text: linear costs about 4x, the old quadratic patterns 16x (seconds at
     # this size). 10x plus a millisecond of slack leaves room for a busy machine.
     assert _cost(large) < 10 * _cost(small) + 0.001
+
+
+@pytest.mark.parametrize(
+    ("payload", "tokens"),
+    [
+        ({"messages": [{"role": "user", "content": "x" * 81}], "max_completion_tokens": 256}, 21 + 256),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "max_completion_tokens": 50}, 1 + 50),
+        ({"prompt": "abcd", "max_tokens": 64, "n": 3}, 1 + 3 * 64),  # n answers, one prompt
+        ({"input": "abcdefgh", "max_output_tokens": 10}, 2 + 10),  # the Responses API
+        ({"prompt": "abcd"}, None),  # no limit: the engine's own default is not known here
+        ({"prompt": "abcd", "max_tokens": True}, None),  # not counts
+        ({"prompt": "abcd", "max_tokens": -5, "n": "3"}, None),
+        ({"prompt": "abcd", "max_tokens": 8, "n": 0}, 1 + 8),
+    ],
+)
+def test_request_tokens_estimates_a_requests_length_at_its_end(payload: dict[str, Any], tokens: int | None) -> None:
+    assert request_tokens(payload) == tokens

@@ -242,6 +242,23 @@ def test_a_burst_past_both_engines_stated_capacity_is_shared_by_their_projected_
     assert state["team"].ttft == state["fast"].ttft  # as many ahead: neither is sooner
 
 
+def test_a_pool_with_no_request_measured_takes_the_duration_the_others_measured() -> None:
+    """On real engines one short request finished on the speculative pool and none yet on the
+    standard one: the standard pool's predicted first token took 10 s a request ahead (an assumed
+    constant) against the 1 s measured, and a burst went where the engine already preempted."""
+    settings = _settings()
+    pools = _pools(settings)
+    fast, team = pools["fast"].backends[0], pools["team"].backends[0]
+    for backend in (fast, team):
+        backend.engine.observe(EngineLoad(running=0, waiting=0, kv_usage=0.0, max_concurrency=2.0, scraped_at=100.0))
+    fast.in_flight += 1
+    pools["fast"].release(fast, duration=1.0)
+    fast.in_flight, team.in_flight = 3, 1
+    state = _snapshot(pools, settings, now=100.2)
+    assert state["fast"].ttft == pytest.approx(3.0)  # 2 past its KV cache and itself, 1 running, 1 s each
+    assert state["team"].ttft == pytest.approx(1.0)  # itself past its KV cache, at the 1 s fast measured
+
+
 def test_overflow_counts_only_what_the_reading_does_not() -> None:
     engine = EngineView()
     assert engine.overflow(100.0, 5.0, 0.9, in_flight=30, max_concurrency=32) == 0  # no KV figure

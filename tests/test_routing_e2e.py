@@ -324,3 +324,25 @@ def test_a_burst_of_users_on_a_cold_router_spills_past_the_speculative_engines_c
     assert set(batch_pools) == {"team"}
     assert pools.count("team") > 0 and pools.count("fast") <= 23, Counter(pools)
     assert max(ttfts) < 15, sorted(ttfts)  # seconds, simulated (real) time; 45 s before
+
+
+@pytest.mark.parametrize("limit", [10**400, 2**63, -(10**400)])
+def test_an_answer_limit_of_any_integer_is_the_engines_to_refuse(limit: int) -> None:
+    """A client's `max_tokens` becomes the KV its request is projected to take (router.content,
+    router.engines): one past what a float holds must not make the projection raise (a 500), but
+    reach the engine, whose 400 the client gets."""
+    with engines() as (fast, team), _router(fast, team) as router:
+        wait_until(
+            lambda: (
+                httpx.get(router.url + "/router/status").json()["pools"]["fast"]["backends"]["fast-1"]["engine"][
+                    "stated_max_concurrency"
+                ]
+                is not None
+            ),
+            message="the engine's stated KV cache read",
+        )
+        body = json.dumps({**_body("prose", 0), "stream": False}).replace('"max_tokens": 512', f'"max_tokens": {limit}')
+        answer = httpx.post(router.url + "/v1/chat/completions", content=body, timeout=30)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == "max_tokens"
+        assert answer.headers["x-route-pool"] == "fast"  # routed, and the engine's own answer passed on

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import ssl
 import threading
 from typing import Any
@@ -156,8 +157,11 @@ def test_scraper_reads_a_simulated_engine_over_http() -> None:
             try:
                 await scraper.scrape_all()
                 # The engine states its capacity before any load: 2,097,152 tokens of KV cache, each
-                # request reserving its default answer (2,048) and the profile's overhead (86,933).
-                assert pools["fast"].backends[0].engine.stated_concurrency == pytest.approx(23.57, abs=0.01)
+                # request of max_model_len (131,072) reserving the profile's overhead (86,933) besides.
+                assert pools["fast"].backends[0].engine.stated_concurrency == pytest.approx(9.62, abs=0.01)
+                # So a request of 522 tokens at its end takes those and the overhead, in blocks of 16.
+                share = pools["fast"].backends[0].engine.kv_per_request(64, tokens=522)
+                assert share == pytest.approx(math.ceil((522 + 86933) / 16) * 16 / 2097152, rel=1e-4)
                 body = json.dumps(
                     {"model": fast.model, "prompt": "def f(x):\n    return x", "max_tokens": 512, "ignore_eos": True}
                 ).encode()

@@ -141,3 +141,36 @@ def test_a_cold_router_takes_the_stated_capacity_until_a_reading_shows_requests_
     kv = view.kv_projected(10.5, 5.0, in_flight=in_flight, max_concurrency=32)
     assert kv == pytest.approx(projected)
     assert (kv is not None and kv >= Routing().kv_threshold) is spills
+
+
+def test_the_kv_cache_size_an_engine_states_is_read_from_cache_config_info() -> None:
+    load = engine_load(sample(SPEC), None, now=1.0)
+    assert (load.kv_cache_tokens, load.block_size) == (4096, 128)
+    only_blocks = engine_load(
+        {"vllm:cache_config_info:num_gpu_blocks": [32.0], "vllm:cache_config_info:block_size": [16.0]}, None, now=1.0
+    )
+    assert (only_blocks.kv_cache_tokens, only_blocks.block_size) == (512, 16)
+
+
+# A reading of the real test engine (32 blocks of 128 tokens) that caught one request just
+# admitted: one block, its prompt. The burst of 256-token answers sent since will each hold 3
+# blocks at their end (a prompt of 20 tokens and its answer), so about 10 fit, not 28. Before,
+# the one block seen was taken for each: all 22 of a 24-user burst went to the speculative
+# engine, and 7 of them waited there (tests/real: the cold-burst test, 1 run in 6).
+@pytest.mark.parametrize(
+    ("tokens", "overflow"),
+    [
+        (None, 0),  # the request's length unknown: the KV per request as seen (1 block each fits 27)
+        (20 + 256, 22 - 9),  # 3 blocks each: 9 fit below 0.9 besides the one seen
+        (10**400, 22),  # a client's limit past any cache: the whole cache each (no overflow error)
+    ],
+)
+def test_a_reading_that_caught_requests_just_admitted_takes_each_at_its_own_length(
+    tokens: int | None, overflow: int
+) -> None:
+    stated = engine_load(sample(SPEC), None, now=10.0)
+    view = EngineView()
+    view.observe(dataclasses.replace(stated, running=1, waiting=0, kv_usage=1 / 32, scraped_at=10.0, own_in_flight=1))
+    assert view.overflow(10.2, 5.0, 0.9, in_flight=23, max_concurrency=32, tokens=tokens) == overflow
+    kv = view.kv_projected(10.2, 5.0, in_flight=23, max_concurrency=32, tokens=tokens)
+    assert kv is not None and (kv >= Routing().kv_threshold) is (tokens is not None)

@@ -246,18 +246,19 @@ class _EngineStats(Collector):
         )
 
     def _cache_config(self) -> Metric:
-        """vLLM's `cache_config_info`: the KV cache's size, and how many requests it holds. vLLM
-        states that for requests of `max_model_len`; the simulated engine reserves a request's
-        prompt, its answer and the profile's overhead, so it states it for an answer of its
-        default length."""
+        """vLLM's `cache_config_info`: the KV cache's size, and how many requests of
+        `max_model_len` it holds. The simulated engine reserves a request's prompt, its answer and
+        the profile's overhead, so it holds fewer than its size over that length; with the length
+        stated too, the router reads the overhead from the difference (router.engines)."""
         profile = self._runner.engine.profile
         block = 16
-        holds = profile.kv_cache_tokens / (profile.kv_overhead_tokens + profile.default_max_tokens)
+        holds = profile.kv_cache_tokens / (profile.kv_overhead_tokens + profile.max_model_len)
         labels = {
             "block_size": str(block),
             "num_gpu_blocks": str(profile.kv_cache_tokens // block),
             "kv_cache_size_tokens": str(profile.kv_cache_tokens),
-            "kv_cache_max_concurrency": f"{holds:.2f}",
+            "max_model_len": str(profile.max_model_len),
+            "kv_cache_max_concurrency": f"{holds:.4f}",
         }
         family = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(labels)

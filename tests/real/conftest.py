@@ -101,10 +101,12 @@ class RealCluster:
         pool: str | None = None,
         job: str | None = None,
         content: str = "Tell me about tides.",
+        client: OpenAI | None = None,
     ) -> tuple[str, str, ChatCompletion]:
-        """One chat request through the router: the pool that served it, the reason, the answer."""
+        """One chat request through the router: the pool that served it, the reason, the answer.
+        `client`: one made beforehand (making one takes a while on a busy machine)."""
         headers = {key: value for key, value in (("X-Route-Pool", pool), ("X-Job-Type", job)) if value}
-        raw = self.client().chat.completions.with_raw_response.create(
+        raw = (client or self.client()).chat.completions.with_raw_response.create(
             model=MODEL,
             messages=[{"role": "user", "content": content}],
             max_tokens=max_tokens,
