@@ -125,12 +125,12 @@ class EngineView:
         whole cache: a client's limit can be any integer."""
         stated = self.stated
         size = stated.kv_cache_tokens
-        if not tokens or not size:
-            return 0.0
+        if not tokens or size is None or size < 1:
+            return 0.0  # unknown, or no cache an engine could have
         overhead = 0.0
         if stated.max_concurrency and stated.model_len:
             overhead = max(0.0, size / stated.max_concurrency - stated.model_len)
-        block = stated.block_size or 1.0
+        block = max(1.0, stated.block_size or 1.0)  # a block holds a token at least
         need = min(min(tokens, size) + overhead, size)  # compared first: an int past any float
         return min(1.0, math.ceil(need / block) * block / size)
 

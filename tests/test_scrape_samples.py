@@ -174,3 +174,24 @@ def test_a_reading_that_caught_requests_just_admitted_takes_each_at_its_own_leng
     assert view.overflow(10.2, 5.0, 0.9, in_flight=23, max_concurrency=32, tokens=tokens) == overflow
     kv = view.kv_projected(10.2, 5.0, in_flight=23, max_concurrency=32, tokens=tokens)
     assert kv is not None and (kv >= Routing().kv_threshold) is (tokens is not None)
+
+
+@pytest.mark.parametrize(
+    ("size", "block", "share"),
+    [
+        ("4096", "5e-324", 276 / 4096),  # a block below a token: one token each
+        ("4096", "-128", 276 / 4096),
+        ("-4096", "128", 1 / 32),  # no cache an engine could have: the reading's KV per request
+        ("0.5", "128", 1 / 32),
+    ],
+)
+def test_a_stated_cache_no_engine_could_have_does_not_size_requests(size: str, block: str, share: float) -> None:
+    """A hostile engine's `cache_config_info`: a block size below one token made the share of a
+    request raise (its blocks overflowed a float) on every request routed with it."""
+    values = parse(
+        "# TYPE vllm:cache_config_info gauge\n"
+        f'vllm:cache_config_info{{kv_cache_size_tokens="{size}",block_size="{block}"}} 1.0\n'
+    )
+    view = EngineView()
+    view.observe(dataclasses.replace(engine_load(values, None, now=1.0), running=1, kv_usage=1 / 32, scraped_at=1.0))
+    assert view.kv_per_request(32, tokens=276) == pytest.approx(share)
