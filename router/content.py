@@ -46,6 +46,10 @@ def detect_kind(text: str, *, hints: tuple[str, ...] = ()) -> ContentKind:
 
 def request_text(payload: Mapping[str, Any]) -> str:
     """The prompt text of a chat, completions or responses request body."""
+    return "\n".join(_prompt_parts(payload))
+
+
+def _prompt_parts(payload: Mapping[str, Any]) -> list[str]:
     parts: list[str] = []
     prompt = payload.get("prompt")
     if isinstance(prompt, str):
@@ -63,7 +67,7 @@ def request_text(payload: Mapping[str, Any]) -> str:
             parts.extend(c["text"] for c in content if isinstance(c, dict) and isinstance(c.get("text"), str))
     if isinstance(payload.get("input"), str):
         parts.append(payload["input"])
-    return "\n".join(parts)
+    return parts
 
 
 # Characters per token of the prompt, for an estimate without a tokenizer (English text and code
@@ -78,7 +82,9 @@ def request_tokens(payload: Mapping[str, Any]) -> int | None:
     limit = next((count for key in _ANSWER_LIMITS if (count := _count(payload.get(key)))), None)
     if limit is None:
         return None
-    return -(-len(request_text(payload)) // _CHARS_PER_TOKEN) + (_count(payload.get("n")) or 1) * limit
+    parts = _prompt_parts(payload)
+    chars = sum(map(len, parts)) + max(0, len(parts) - 1)  # request_text's length, not joined again
+    return -(-chars // _CHARS_PER_TOKEN) + (_count(payload.get("n")) or 1) * limit
 
 
 def _count(value: object) -> int | None:

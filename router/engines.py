@@ -59,9 +59,8 @@ class EngineView:
         self.reading = EngineLoad()  # the latest scrape of its /metrics
         self.stale = False  # its readings went stale (logged once; fresh again logs again)
         self._kv_per_request: float | None = None  # KV usage per running request, as last seen
-        # What the engine states of its capacity (vLLM's cache_config_info): requests of full
-        # length that fit, and the cache's size, block size and full length, as one reading.
-        self.stated_concurrency: float | None = None
+        # The last reading in which the engine stated its capacity (vLLM's cache_config_info):
+        # requests of full length that fit, and the cache's size, block size and full length.
         self.stated = EngineLoad()
         self.acceptance: Acceptance | None = None
 
@@ -71,12 +70,15 @@ class EngineView:
         self.reading = reading
         if reading.running and reading.kv_usage is not None:
             self._kv_per_request = reading.kv_usage / reading.running
-        if reading.max_concurrency:
-            self.stated_concurrency = reading.max_concurrency
-        if reading.kv_cache_tokens:
+        if reading.max_concurrency or reading.kv_cache_tokens:
             self.stated = reading
         if reading.acceptance is not None:
             self.acceptance = Acceptance(reading.acceptance, reading.accept_length, reading.scraped_at)
+
+    @property
+    def stated_concurrency(self) -> float | None:
+        """Requests of full length its KV cache holds, as the engine states it."""
+        return self.stated.max_concurrency
 
     def counted(self, reading: EngineLoad, *, earlier: int, recent: int) -> int:
         """How many of this router's requests a new reading counts, of those running when it was
@@ -112,7 +114,7 @@ class EngineView:
             return max(self._kv_per_request, own)
         if own:
             return own
-        slots = min(max_concurrency, self.stated_concurrency or math.inf)
+        slots = min(max_concurrency, self.stated.max_concurrency or math.inf)
         return 1.0 / max(1.0, slots)
 
     def _kv_of(self, tokens: int | None) -> float:

@@ -92,9 +92,9 @@ def predicted_ttft(
     waiting, no KV headroom for it once what this router sent since the reading is counted, no
     free slot, or the router's queue is not empty), one running request must finish per request
     ahead of it, at the pool's mean request duration (`unmeasured` until it has one) over the
-    requests running. Ahead of it: the
-    engine's waiting requests, this router's requests projected past the KV cache (a burst
-    faster than a scrape, router.engines) and the router's queue.
+    requests running. Ahead of it: the engine's waiting requests, this router's requests
+    projected past the KV cache (a burst faster than a scrape, router.engines) and the router's
+    queue.
     """
     first_tokens = backend.first_tokens
     recent = sorted(list(first_tokens.recent)[-8:])
