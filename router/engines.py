@@ -124,7 +124,8 @@ class EngineView:
         vLLM states the requests of `max_model_len` its cache holds: the cache's size over that
         length. Where the engine states that length too and its capacity is less, the difference
         is what each request holds besides its tokens (the simulator's overhead). At most the
-        whole cache: a client's limit can be any integer."""
+        share of a request of full length (the whole cache if unstated): a client's limit can be
+        any integer."""
         stated = self.stated
         size = stated.kv_cache_tokens
         if not tokens or size is None or size < 1:
@@ -134,7 +135,10 @@ class EngineView:
             overhead = max(0.0, size / stated.max_concurrency - stated.model_len)
         block = max(1.0, stated.block_size or 1.0)  # a block holds a token at least
         need = min(min(tokens, size) + overhead, size)  # compared first: an int past any float
-        return min(1.0, math.ceil(need / block) * block / size)
+        # No request holds more than one of full length, whatever its limit: the engine refuses
+        # a longer one, and would on any pool.
+        full_length = 1.0 / max(1.0, stated.max_concurrency or 1.0)
+        return min(full_length, math.ceil(need / block) * block / size)
 
     def kv_projected(
         self, now: float, stale_after: float, *, in_flight: int, max_concurrency: int, tokens: int | None = None

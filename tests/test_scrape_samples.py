@@ -162,7 +162,8 @@ def test_the_kv_cache_size_an_engine_states_is_read_from_cache_config_info() -> 
     [
         (None, 0),  # the request's length unknown: the KV per request as seen (1 block each fits 27)
         (20 + 256, 22 - 9),  # 3 blocks each: 9 fit below 0.9 besides the one seen
-        (10**400, 22),  # a client's limit past any cache: the whole cache each (no overflow error)
+        (10**400, 22 - 1),  # a limit past any cache: a request of full length each (half the cache)
+        (20 + 5000, 22 - 1),  # longer than the engine's context (it refuses it): the same
     ],
 )
 def test_a_reading_that_caught_requests_just_admitted_takes_each_at_its_own_length(
