@@ -191,8 +191,12 @@ def burst(cold: RealCluster) -> Counter[tuple[str, str]]:
         assert answer.usage is not None and answer.usage.completion_tokens == BURST_TOKENS
         return served, reason
 
-    with ThreadPoolExecutor(max_workers=BURST) as threads:
-        decisions = Counter(threads.map(user, range(BURST)))
+    try:
+        with ThreadPoolExecutor(max_workers=BURST) as threads:
+            decisions = Counter(threads.map(user, range(BURST)))
+    finally:
+        for client in clients:
+            client.close()
     assert cold.fast.metric("vllm:num_preemptions_total") == preempted, decisions
     # Past the speculative engine's capacity, on its projected KV cache; the rest stayed there.
     spilled = sum(count for (served, reason), count in decisions.items() if served == "team")
@@ -234,9 +238,9 @@ def test_a_burst_after_short_requests_is_not_taken_for_short_requests(cluster: R
         seen = threading.Event()
 
         def short_requests(i: int) -> None:
-            client = cold.client()
-            while not seen.is_set():
-                cold.chat(user=f"short-{i}", pool="fast", max_tokens=50, client=client)
+            with cold.client() as client:
+                while not seen.is_set():
+                    cold.chat(user=f"short-{i}", pool="fast", max_tokens=50, client=client)
 
         with ThreadPoolExecutor(max_workers=2) as threads:
             loops = [threads.submit(short_requests, i) for i in range(2)]
