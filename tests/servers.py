@@ -38,9 +38,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(config: Path, *, env: Mapping[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[str], str]]:
+def serve(
+    config: Path, *, env: Mapping[str, str] | None = None, own_session: bool = False
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`specroute serve --config FILE` in its own process, its log beside the file; yields it and
-    its URL once it answers. It gets this process's environment but for `SPECROUTE_*`, plus `env`."""
+    its URL once it answers. It gets this process's environment but for `SPECROUTE_*`, plus `env`.
+    `own_session`: in a session of its own, which Linux gives a fair share of the CPU of its own
+    (an autogroup) beside this process and any other session's busy processes."""
     _may_serve()
     port = free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")} | dict(env or {})
@@ -51,6 +55,7 @@ def serve(config: Path, *, env: Mapping[str, str] | None = None) -> Iterator[tup
         stderr=subprocess.STDOUT,
         text=True,
         env=environ,
+        start_new_session=own_session,
     )
     url = f"http://127.0.0.1:{port}"
 

@@ -72,15 +72,17 @@ class Engine:
     def start(self) -> None:
         self._log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            # Below the router's priority: each engine keeps a core busy (its threads spin), and
-            # the router, in this process, shares those cores. At the same priority the router
-            # was starved for 7-20 s at a time on a busy machine (scrapes stale, a client's
-            # leaving seen only after the engine had finished); what is tested is what the router
-            # does with the engines, not how fast they are.
+            # Each engine keeps a core busy (its threads spin), and the router shares those
+            # cores; what is tested is what the router does with the engines, not how fast they
+            # are. Where Linux groups processes by session (autogroups, on by default), each
+            # engine and the router (conftest.py) have a session of their own, and each session
+            # gets a fair share of the CPU, whatever else runs: the router's turn comes within
+            # milliseconds, and two other busy processes on the machine cannot starve an engine.
+            # Where it does not, the engines' lower priority gives the router its turn.
             ["nice", "-n", str(ENGINE_NICENESS), SCRIPT, "engine", self.kind, str(self.port), str(self.core)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: the API server and its engine core
+            start_new_session=True,  # and so its own process group: the API server and its engine core
         )
 
     def healthy(self) -> bool:

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -180,7 +181,7 @@ def burst(cold: RealCluster) -> Counter[tuple[str, str]]:
     some (to recompute them later), which its own count shows however the users' arrival spread
     on a busy machine (requests that end meanwhile make room, and rightly fewer spill)."""
     preempted = cold.fast.metric("vllm:num_preemptions_total")
-    clients = [cold.client() for _ in range(BURST)]  # made beforehand: that takes a while
+    clients = [cold.new_client() for _ in range(BURST)]  # made beforehand: that takes a while
     together = threading.Barrier(BURST)
 
     def user(i: int) -> tuple[str, str]:
@@ -215,30 +216,30 @@ def first_readings(cold: RealCluster) -> None:
 
 
 def test_a_burst_of_users_on_a_cold_router_spills_past_the_speculative_engines_capacity(
-    cluster: RealCluster,
+    cluster: RealCluster, routers: Path
 ) -> None:
     """On a router that has never seen the engines loaded: its one reading shows both idle. Before
     the fix all 24 went to the speculative engine: both pools looked full past the engines' stated
     capacity (2 requests of full length), and their predicted first tokens were equal
     (docs/benchmarks.md §7)."""
-    with router_in_front(cluster.fast, cluster.team) as cold:
+    with router_in_front(cluster.fast, cluster.team, routers) as cold:
         first_readings(cold)
         burst(cold)
 
 
-def test_a_burst_after_short_requests_is_not_taken_for_short_requests(cluster: RealCluster) -> None:
+def test_a_burst_after_short_requests_is_not_taken_for_short_requests(cluster: RealCluster, routers: Path) -> None:
     """The router has seen short requests running on the speculative engine (a prompt and 50
     tokens: 1 block each; pinned there) and finishing there, and none on the standard one. Before the fix that
     one block was taken for what each of the burst would hold (27 fit), and the standard pool,
     with no request measured yet, was predicted at 10 s a request: 22 to all 24 went to the
     speculative engine, and it preempted. Now each takes the blocks its own length needs, and a
     pool with no request measured takes the others' duration."""
-    with router_in_front(cluster.fast, cluster.team) as cold:
+    with router_in_front(cluster.fast, cluster.team, routers) as cold:
         first_readings(cold)
         seen = threading.Event()
 
         def short_requests(i: int) -> None:
-            with cold.client() as client:
+            with cold.new_client() as client:
                 while not seen.is_set():
                     cold.chat(user=f"short-{i}", pool="fast", max_tokens=50, client=client)
 
@@ -284,20 +285,12 @@ def test_drain_and_resume(cluster: RealCluster) -> None:
     assert (served, reason) == ("fast", "default")
 
 
-def _state_lines(caplog: pytest.LogCaptureFixture, backend: str) -> list[tuple[int, str]]:
-    """The router's backend state lines (specroute.backends) about one backend, in order."""
-    prefix = f"backend {backend} ("
-    return [
-        (r.levelno, r.getMessage())
-        for r in list(caplog.records)
-        if r.name == "specroute.backends" and r.getMessage().startswith(prefix)
-    ]
+def test_an_engine_killed_under_load_fails_over_and_returns(cluster: RealCluster) -> None:
+    logged_before = len(cluster.log_lines())
 
+    def changes() -> list[tuple[int, str]]:  # what the router logged of fast-1 during this test
+        return cluster.backend_changes("fast-1", since=logged_before)
 
-def test_an_engine_killed_under_load_fails_over_and_returns(
-    cluster: RealCluster, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="specroute.backends")  # the router runs in this process
     outcomes: list[tuple[str, str]] = []
     failures: list[BaseException] = []
     stop = threading.Event()
@@ -345,11 +338,11 @@ def test_an_engine_killed_under_load_fails_over_and_returns(
     # down when the 10 s are over (a restart takes about 90 s); back; and its /metrics unread
     # meanwhile (stale after 15 s, fresh again once the engine answers).
     wait_for(
-        lambda: any("engine readings fresh again" in line for _, line in _state_lines(caplog, "fast-1")),
+        lambda: any(line.endswith("engine readings fresh again") for _, line in changes()),
         timeout=10,
         what="fast-1's engine readings logged fresh again",
     )
-    lines = _state_lines(caplog, "fast-1")
+    lines = changes()
     head = "backend fast-1 (pool fast) "
     ejected = (logging.WARNING, head + "ejected for 10 s: 3 requests failed in a row")
     still_down = (logging.WARNING, head + "still unhealthy after its ejection: 2 health checks failed")
