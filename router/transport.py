@@ -35,7 +35,9 @@ from __future__ import annotations
 import functools
 import io
 import select
+import socket
 import ssl
+import struct
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -60,6 +62,10 @@ _PROBE_CONNECTIONS = 3
 _ONE_WRITE = 1 << 20
 _TIMER_SLACK = 0.001  # an event loop may run a timer this much early (its clock's resolution)
 _PEER_SHUT = getattr(select, "POLLRDHUP", 0)  # Linux: the peer shut down its side
+# Linux's `struct tcp_info` (linux/tcp.h): `tcpi_last_data_recv`, milliseconds since data last
+# arrived, is the u32 at this offset. Elsewhere there is no such option: -1 is refused.
+_TCP_INFO = getattr(socket, "TCP_INFO", -1)
+_LAST_DATA_RECV = 52
 
 
 def tls_context(config: Tls) -> ssl.SSLContext:
@@ -276,7 +282,7 @@ class _Handler(ResponseHandler):
 
 class _Connector(aiohttp.TCPConnector):
     """aiohttp's connector, refusing to reuse a pooled connection that the engine closed or sent
-    anything on while it was idle.
+    anything on while it was idle, or that has been idle for too long by the kernel's clock.
 
     aiohttp parses and queues a response that arrives on an idle keep-alive connection (a late
     second answer, bytes after a 204) and hands it to the next request sent on that connection
@@ -285,6 +291,13 @@ class _Connector(aiohttp.TCPConnector):
     kernel, not yet read by the loop, and a request written there may or may not have been read
     by the engine. Nothing is awaited between this look and the request's head being written
     (or, with a body on Python 3.11, the task that writes it being started).
+
+    aiohttp counts a connection's idle time from when the loop put it back in the pool, which is
+    late by however long the loop was held up when the answer's last byte arrived; the engine
+    counts its keep-alive from when it sent that byte. A router whose loop was held up for a
+    second could send a request on a connection the engine was closing that instant (seen as
+    three requests closed at once on real vLLM engines). So the kernel's own count since the
+    last byte arrived (Linux `TCP_INFO`) must be under `KEEP_ALIVE_SECONDS` too.
     """
 
     def __init__(self, **options: Any) -> None:
@@ -295,19 +308,32 @@ class _Connector(aiohttp.TCPConnector):
     async def _get(self, key: ConnectionKey, traces: list[Trace]) -> Connection | None:
         while (connection := await super()._get(key, traces)) is not None:
             protocol: ResponseHandler | None = connection.protocol
-            if protocol is not None and not protocol.should_close and not _peer_spoke(protocol):
+            if protocol is not None and not protocol.should_close and _reusable(protocol):
                 return connection
             connection.close()
         return None
 
 
-def _peer_spoke(protocol: ResponseHandler) -> bool:
-    """Whether an idle connection's socket has anything to read: EOF, a reset, or bytes unasked."""
+def _reusable(protocol: ResponseHandler) -> bool:
+    """Whether an idle connection's socket has nothing to read (EOF, a reset, or bytes unasked)
+    and heard from the engine less than `KEEP_ALIVE_SECONDS` ago, as the kernel counts."""
     if protocol.transport is None:
-        return False  # aiohttp itself refuses to write on it
+        return True  # aiohttp itself refuses to write on it
+    sock = protocol.transport.get_extra_info("socket")
     poller = select.poll()
-    poller.register(protocol.transport.get_extra_info("socket").fileno(), select.POLLIN | _PEER_SHUT)
-    return bool(poller.poll(0))
+    poller.register(sock.fileno(), select.POLLIN | _PEER_SHUT)
+    return not poller.poll(0) and _silent_for(sock) < KEEP_ALIVE_SECONDS
+
+
+def _silent_for(sock: socket.socket) -> float:
+    """Seconds since the last byte from the engine reached `sock`, by the kernel's clock; 0 where
+    the kernel does not say (no `TCP_INFO`: not Linux)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _LAST_DATA_RECV + 4)
+    except OSError:
+        return 0.0
+    milliseconds: int = struct.unpack_from("=I", info, _LAST_DATA_RECV)[0]
+    return milliseconds / 1000
 
 
 class _Request(aiohttp.ClientRequest):

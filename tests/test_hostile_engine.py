@@ -12,10 +12,10 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -33,6 +33,8 @@ from tests.conftest import _merge
 from tests.raw_engine import Exchange, RawEngine, answer_normally, completion, response
 from tests.servers import ServerThread
 from tests.wait import until
+
+T = TypeVar("T")
 
 MiB = 1024 * 1024
 
@@ -352,6 +354,36 @@ def test_a_reused_connection_closed_after_the_engine_read_the_post_is_not_sent_a
         assert_recovered(router)
 
 
+@asynccontextmanager
+async def _router_on_this_loop(
+    engine: RawEngine, registry: CollectorRegistry
+) -> AsyncIterator[Callable[[str], Awaitable[httpx.Response]]]:
+    """A router in front of `engine` alone, served on the running loop through httpx's ASGI
+    transport and probing nothing meanwhile, so that a test can time what happens on the loop
+    between two requests. Yields `ask(request_id)`: a chat request pinned to the engine's pool."""
+    settings: dict[str, Any] = {
+        "pools": {"p": {"speculative": False, "backends": {"e": {"url": engine.url, "max_concurrency": 8}}}},
+        "scrape": {"interval": 60},
+        "health": {"interval": 60},
+        # No hold for a new client: the request reaches the pool without a pause.
+        "classify": {"burst_hold_seconds": 0},
+    }
+    app = create_app(Settings(**settings), registry=registry)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r/v1")
+    async with app.router.lifespan_context(app), client:
+
+        async def ask(request_id: str) -> httpx.Response:
+            body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
+            headers = {"x-request-id": request_id, "x-route-pool": "p"}  # pinned: no other place to go
+            return await client.post("/chat/completions", json=body, headers=headers)
+
+        yield ask
+
+
+def _run(loop: str, scenario: Awaitable[T]) -> T:
+    return (uvloop.run if loop == "uvloop" else asyncio.run)(scenario)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_a_pooled_connection_the_engine_closed_is_not_used_for_a_pinned_post(loop: str) -> None:
     """uvicorn closes a keep-alive connection idle for 5 s. When its FIN is still unread in the
@@ -363,24 +395,7 @@ def test_a_pooled_connection_the_engine_closed_is_not_used_for_a_pinned_post(loo
     registry = CollectorRegistry()
 
     async def scenario(engine: RawEngine) -> list[httpx.Response]:
-        settings: dict[str, Any] = {
-            "pools": {"p": {"speculative": False, "backends": {"e": {"url": engine.url, "max_concurrency": 8}}}},
-            "scrape": {"interval": 60},
-            "health": {"interval": 60},
-            # No hold for a new client: the request reaches the pool without a pause, while the
-            # engine's FIN waits unread.
-            "classify": {"burst_hold_seconds": 0},
-        }
-        app = create_app(Settings(**settings), registry=registry)
-        asgi = httpx.ASGITransport(app=app)
-        client = httpx.AsyncClient(transport=asgi, base_url="http://r/v1")
-        async with app.router.lifespan_context(app), client:
-
-            async def ask(request_id: str) -> httpx.Response:
-                body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
-                headers = {"x-request-id": request_id, "x-route-pool": "p"}  # pinned: no other place to go
-                return await client.post("/chat/completions", json=body, headers=headers)
-
+        async with _router_on_this_loop(engine, registry) as ask:
             replies = [await ask("first")]  # its connection goes back to the pool
             # Blocks this loop until the engine has closed its idle connections: the FINs wait
             # unread in the kernel while the router takes one from its pool for the next request.
@@ -389,7 +404,7 @@ def test_a_pooled_connection_the_engine_closed_is_not_used_for_a_pinned_post(loo
             return replies
 
     with RawEngine() as engine:
-        first, second = (uvloop.run if loop == "uvloop" else asyncio.run)(scenario(engine))
+        first, second = _run(loop, scenario(engine))
     assert first.status_code == 200 and answer_text(first) == "first"
     assert second.status_code == 200, second.text
     assert answer_text(second) == "second"
@@ -397,6 +412,37 @@ def test_a_pooled_connection_the_engine_closed_is_not_used_for_a_pinned_post(loo
     labels = {"pool": "p", "backend": "e"}
     assert registry.get_sample_value("specroute_retries_total", {**labels, "reason": "not_sent"}) is None
     assert registry.get_sample_value("specroute_upstream_errors_total", {**labels, "kind": "protocol"}) is None
+
+
+@pytest.mark.e2e  # holds its loop up for over 4 s
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_connection_idle_past_keep_alive_by_the_kernels_clock_is_not_reused(loop: str) -> None:
+    """aiohttp counts a pooled connection's idle time from when the loop put it back in the pool,
+    the engine from when it sent its answer. Here the router's loop is held up while the answer
+    arrives, as on a starved machine, so the loop's count starts `KEEP_ALIVE_SECONDS` late: by
+    the kernel's count the connection has been idle that long, the engine may be closing it
+    (uvicorn does at 5 s), and the next request goes on a new connection. On the old code it
+    went on the old one."""
+    release = threading.Event()
+
+    async def after_release(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if exchange.index == 0:  # answered once the router's loop is held up
+            assert await asyncio.to_thread(release.wait, 30)
+        return await answer_normally(exchange, reader, writer)
+
+    async def scenario(engine: RawEngine) -> list[httpx.Response]:
+        async with _router_on_this_loop(engine, CollectorRegistry()) as ask:
+            first = asyncio.ensure_future(ask("first"))
+            await until(lambda: engine.requests, message="the first request at the engine")
+            release.set()
+            time.sleep(KEEP_ALIVE_SECONDS + 0.5)  # noqa: ASYNC251 -- this loop held up: the answer waits in the kernel
+            return [await first, await ask("second")]
+
+    with RawEngine(after_release) as engine:
+        first, second = _run(loop, scenario(engine))
+    assert answer_text(first) == "first" and answer_text(second) == "second"
+    assert [exchange.request_id for exchange in engine.requests] == ["first", "second"]  # once each
+    assert engine.requests[1].connection != engine.requests[0].connection
 
 
 # -- bodies the router must read right ---------------------------------------------------------
