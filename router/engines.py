@@ -150,11 +150,12 @@ class EngineView:
         speculative engine's cache before the router sees it fill. Without a fresh reading, the
         router's own requests at that usage each.
         """
-        since = self._since_reading(now, stale_after, in_flight=in_flight)
+        share = self.kv_per_request(max_concurrency, tokens)
+        since = self._since_reading(now, stale_after, in_flight=in_flight, share=share)
         if since is None:
             return None  # the engine says nothing of its KV cache
         usage, sent = since
-        return usage + self.kv_per_request(max_concurrency, tokens) * (sent + 1)
+        return usage + share * (sent + 1)
 
     def overflow(
         self,
@@ -169,24 +170,34 @@ class EngineView:
         """This router's requests sent since the reading that the KV cache holds no room for below
         the threshold, as projected: they wait inside the engine for others to finish. A burst
         faster than a scrape queues there before any reading shows it."""
-        since = self._since_reading(now, stale_after, in_flight=in_flight)
+        share = self.kv_per_request(max_concurrency, tokens)
+        since = self._since_reading(now, stale_after, in_flight=in_flight, share=share)
         if since is None:
             return 0
         usage, sent = since
-        fits = max(0, math.ceil((kv_threshold - usage) / self.kv_per_request(max_concurrency, tokens)) - 1)
+        fits = max(0, math.ceil((kv_threshold - usage) / share) - 1)
         return max(0, sent - fits)
 
-    def _since_reading(self, now: float, stale_after: float, *, in_flight: int) -> tuple[float, int] | None:
-        """The KV usage of the last reading and the router's requests it does not count: with no
-        fresh reading (scrapes failing: the engine, or this router, too busy to answer in time),
-        none and all of them, so that missed scrapes do not open the gate. None: the engine says
-        nothing of its KV cache."""
+    def _since_reading(
+        self, now: float, stale_after: float, *, in_flight: int, share: float
+    ) -> tuple[float, int] | None:
+        """The KV usage of the last reading, grown to what its running requests will hold, and the
+        router's requests it does not count: with no fresh reading (scrapes failing: the engine, or
+        this router, too busy to answer in time), none and all of them, so that missed scrapes do
+        not open the gate. None: the engine says nothing of its KV cache.
+
+        An engine that allocates KV as tokens come (vLLM, in blocks) shows a request just admitted
+        at its prompt's blocks; each running request is taken to hold `share` by its end, as the
+        next one will. Taken as it read, a reading in the middle of a burst on the real engines
+        (ten requests of one block, of the two each would hold) let two too many through, and the
+        speculative engine preempted requests to make room for them."""
         reading = self.reading
         if reading.kv_usage is None:
             return None
         if not reading.fresh(now, stale_after):
             return 0.0, in_flight
-        return reading.kv_usage, max(0, in_flight - reading.own_in_flight)
+        grown = max(reading.kv_usage, (reading.running or 0.0) * share)
+        return grown, max(0, in_flight - reading.own_in_flight)
 
     def has_room(
         self, now: float, stale_after: float, kv_threshold: float, *, max_concurrency: int, tokens: int | None = None

@@ -154,16 +154,17 @@ def test_the_kv_cache_size_an_engine_states_is_read_from_cache_config_info() -> 
 
 # A reading of the real test engine (32 blocks of 128 tokens) that caught one request just
 # admitted: one block, its prompt. The burst of 256-token answers sent since will each hold 3
-# blocks at their end (a prompt of 20 tokens and its answer), so about 10 fit, not 28. Before,
-# the one block seen was taken for each: all 22 of a 24-user burst went to the speculative
-# engine, and 7 of them waited there (tests/real: the cold-burst test, 1 run in 6).
+# blocks at their end (a prompt of 20 tokens and its answer), and so will the one seen, so 8 fit
+# besides it, not 28. Before, the one block seen was taken for each: all 22 of a 24-user burst
+# went to the speculative engine, and 7 of them waited there (tests/real: the cold-burst test, 1
+# run in 6).
 @pytest.mark.parametrize(
     ("tokens", "overflow"),
     [
         (None, 0),  # the request's length unknown: the KV per request as seen (1 block each fits 27)
-        (20 + 256, 22 - 9),  # 3 blocks each: 9 fit below 0.9 besides the one seen
-        (10**400, 22 - 1),  # a limit past any cache: a request of full length each (half the cache)
-        (20 + 5000, 22 - 1),  # longer than the engine's context (it refuses it): the same
+        (20 + 256, 22 - 8),  # 3 blocks each, the one seen too by its end: 8 fit below 0.9 besides it
+        (10**400, 22 - 0),  # a limit past any cache: a request of full length each (half the cache)
+        (20 + 5000, 22 - 0),  # longer than the engine's context (it refuses it): the same
     ],
 )
 def test_a_reading_that_caught_requests_just_admitted_takes_each_at_its_own_length(
@@ -175,6 +176,23 @@ def test_a_reading_that_caught_requests_just_admitted_takes_each_at_its_own_leng
     assert view.overflow(10.2, 5.0, 0.9, in_flight=23, max_concurrency=32, tokens=tokens) == overflow
     kv = view.kv_projected(10.2, 5.0, in_flight=23, max_concurrency=32, tokens=tokens)
     assert kv is not None and (kv >= Routing().kv_threshold) is (tokens is not None)
+
+
+def test_the_requests_a_reading_shows_running_are_taken_at_what_they_will_hold() -> None:
+    """A scrape in the middle of a burst of 200-token answers on the real speculative engine: ten
+    requests running, each at one block (its prompt), where each will hold two by its end. Taken
+    as it read (10 of 32 blocks), six more sent since and the next all fit below 0.9, and the CI
+    run at `a087a36` sent 16 of the 24-user burst to the engine, which preempted two requests to
+    make room. Grown to what they will hold (20 blocks), four of the six fit and the next waits."""
+    stated = engine_load(sample(SPEC), None, now=10.0)
+    view = EngineView()
+    view.observe(
+        dataclasses.replace(stated, running=10, waiting=0, kv_usage=10 / 32, scraped_at=10.0, own_in_flight=10)
+    )
+    tokens = 5 + 200  # "Tell me about tides." and its answer: 2 blocks
+    assert view.overflow(10.2, 5.0, 0.9, in_flight=16, max_concurrency=32, tokens=tokens) == 2
+    kv = view.kv_projected(10.2, 5.0, in_flight=16, max_concurrency=32, tokens=tokens)
+    assert kv == pytest.approx((10 + 6 + 1) * 2 / 32)
 
 
 @pytest.mark.parametrize(
