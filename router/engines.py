@@ -181,23 +181,28 @@ class EngineView:
     def _since_reading(
         self, now: float, stale_after: float, *, in_flight: int, share: float
     ) -> tuple[float, int] | None:
-        """The KV usage of the last reading, grown to what its running requests will hold, and the
-        router's requests it does not count: with no fresh reading (scrapes failing: the engine, or
-        this router, too busy to answer in time), none and all of them, so that missed scrapes do
-        not open the gate. None: the engine says nothing of its KV cache.
+        """The KV usage of the last reading, with this router's requests in it grown to what they
+        will hold, and the router's requests it does not count: with no fresh reading (scrapes
+        failing: the engine, or this router, too busy to answer in time), none and all of them, so
+        that missed scrapes do not open the gate. None: the engine says nothing of its KV cache.
 
         An engine that allocates KV as tokens come (vLLM, in blocks) shows a request just admitted
-        at its prompt's blocks; each running request is taken to hold `share` by its end, as the
-        next one will. Taken as it read, a reading in the middle of a burst on the real engines
-        (ten requests of one block, of the two each would hold) let two too many through, and the
-        speculative engine preempted requests to make room for them."""
+        at its prompt's blocks. The router's own requests in the reading and still running are
+        taken to grow from the reading's usage per running request to `share` by their end, as it
+        takes those sent since (other clients' requests, of unknown length, as read). Taken as it
+        read, a reading in the middle of a burst on the real engines (ten requests of one block, of
+        the two each would hold) let two too many through, and the speculative engine preempted
+        requests to make room for them."""
         reading = self.reading
         if reading.kv_usage is None:
             return None
         if not reading.fresh(now, stale_after):
             return 0.0, in_flight
-        grown = max(reading.kv_usage, (reading.running or 0.0) * share)
-        return grown, max(0, in_flight - reading.own_in_flight)
+        usage = reading.kv_usage
+        if reading.running:
+            growing = min(reading.own_in_flight, in_flight)
+            usage += growing * max(0.0, share - reading.kv_usage / reading.running)
+        return usage, max(0, in_flight - reading.own_in_flight)
 
     def has_room(
         self, now: float, stale_after: float, kv_threshold: float, *, max_concurrency: int, tokens: int | None = None

@@ -195,6 +195,18 @@ def test_the_requests_a_reading_shows_running_are_taken_at_what_they_will_hold()
     assert kv == pytest.approx((10 + 6 + 1) * 2 / 32)
 
 
+def test_a_reading_of_requests_that_have_ended_does_not_grow() -> None:
+    """The reading still shows the router's one request running, which has ended since: a request
+    of full length (half the cache) is projected at what the reading shows plus itself, not as if
+    the ended one would grow to its size too (which spilled a request the real engine refuses on
+    any pool, past its context: tests/real, test_engine_4xx_passes_through_unchanged)."""
+    stated = engine_load(sample(SPEC), None, now=10.0)
+    view = EngineView()
+    view.observe(dataclasses.replace(stated, running=1, waiting=0, kv_usage=1 / 32, scraped_at=10.0, own_in_flight=1))
+    kv = view.kv_projected(10.2, 5.0, in_flight=0, max_concurrency=32, tokens=20 + 5000)
+    assert kv == pytest.approx(1 / 32 + 1 / 2)
+
+
 @pytest.mark.parametrize(
     ("size", "block", "share"),
     [
