@@ -12,10 +12,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from router.backends import Backend
+from router.backends.pools import Backend
 from router.errors import BadRequest
-from router.headers import bearer
-from router.payload import parse_json
+from router.request.headers import bearer
+from router.request.payload import parse_json
 from router.runtime import Router
 
 

@@ -21,7 +21,8 @@ from router.batch.service import BatchService
 from router.clock import Clock
 from router.config import Settings
 from router.errors import MethodNotAllowed, NotFound, RouterError
-from router.headers import bearer
+from router.replies import error_response
+from router.request.headers import bearer
 from router.runtime import Router
 from router.status import status
 
@@ -88,18 +89,18 @@ def create_app(
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 405:
-            return MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}").response(
-                dict(exc.headers or {})
+            return error_response(
+                MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"), dict(exc.headers or {})
             )
         if exc.status_code == 404:
-            return NotFound(f"no route for {request.method} {request.url.path}").response()
+            return error_response(NotFound(f"no route for {request.method} {request.url.path}"))
         error = RouterError(str(exc.detail))
         error.status_code = exc.status_code
-        return error.response()
+        return error_response(error)
 
     async def router_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RouterError)
-        return exc.response()
+        return error_response(exc)
 
     # Before the catch-all: /v1/models, and /v1/files and /v1/batches with the Batch API, are the router's own.
     own = [Route("/v1/models", models), *batches.routes()]

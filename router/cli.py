@@ -220,8 +220,8 @@ def run_router(
     log_format: logs.LogFormat | None = None,
 ) -> None:
     from router.app import create_app
-    from router.listener import uvicorn_config
-    from router.server import RouterServer
+    from router.server.listener import uvicorn_config
+    from router.server.server import RouterServer
 
     logs.configure(log_level, log_format or settings.log.format)
     config = uvicorn_config(create_app(settings, load=load), settings, host=host, port=port, log_level=log_level)

@@ -22,8 +22,8 @@ from starlette.applications import Starlette
 from router.app import create_app
 from router.config import Listen, Settings
 from router.content import CONTENT_KINDS, ContentKind
-from router.listener import uvicorn_config
-from router.server import RouterServer
+from router.server.listener import uvicorn_config
+from router.server.server import RouterServer
 from router.sim.profile import Profile, load_profile
 from router.sim.replay import speed_curve
 from router.sim.server import create_sim_app

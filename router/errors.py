@@ -14,14 +14,12 @@
         └── UpstreamTimeout   504
 
 Errors that an upstream answers itself (its 4xx and 5xx) are passed through unchanged and
-never become a RouterError.
+never become a RouterError. Pure: router.replies turns one into an HTTP response.
 """
 
 from __future__ import annotations
 
 import json
-
-from starlette.responses import Response
 
 
 class RouterError(Exception):
@@ -50,14 +48,6 @@ class RouterError(Exception):
 
     def headers(self) -> dict[str, str]:
         return {}
-
-    def response(self, extra_headers: dict[str, str] | None = None) -> Response:
-        return Response(
-            json.dumps(self.body()),
-            status_code=self.status_code,
-            media_type="application/json",
-            headers={**self.headers(), **(extra_headers or {})},
-        )
 
 
 class BadRequest(RouterError):

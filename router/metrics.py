@@ -28,12 +28,12 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
-from router.backends import Pools
-from router.classify import JOB_CLASSES
+from router.backends.pools import Pools
 from router.clock import Clock
 from router.config import Scrape
 from router.content import CONTENT_KINDS
-from router.learn import SpeedModel, crossover
+from router.routing.classify import JOB_CLASSES
+from router.routing.learn import SpeedModel, crossover
 from router.version import BuildInfo
 
 # First tokens range from tens of milliseconds (idle speculative engine) to minutes (the

@@ -21,24 +21,24 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry
 from yarl import URL
 
-from router.affinity import ResponseOwners
-from router.backends import Backend, Pools
-from router.clients import Clients
+from router.backends.health import HealthChecker
+from router.backends.outlier import state_log
+from router.backends.pools import Backend, Pools
+from router.backends.scrape import EngineScraper
+from router.catalog import ModelCatalog
 from router.clock import Clock, MonotonicClock
 from router.config import Batch, ConfigError, Settings, masked
 from router.errors import BadRequest, Conflict, NotFound
-from router.forward import Forwarder
-from router.health import HealthChecker
-from router.learn import SpeedModel
-from router.locate import Locator
 from router.metrics import Metrics
-from router.models import ModelCatalog
-from router.observe import Observer
-from router.outlier import state_log
-from router.owners import Owners
-from router.pipeline import Pipeline
-from router.plan import Plan, compile_plan
-from router.scrape import EngineScraper
+from router.request.forward import Forwarder
+from router.request.observe import Observer
+from router.request.pipeline import Pipeline
+from router.request.plan import Plan, compile_plan
+from router.responses.affinity import ResponseOwners
+from router.responses.locate import Locator
+from router.responses.owners import Owners
+from router.routing.clients import Clients
+from router.routing.learn import SpeedModel
 from router.transport import AiohttpTransport, tls_context
 from router.version import BuildInfo, build_info
 
@@ -130,7 +130,7 @@ class Router:
 
     @property
     def plan(self) -> Plan:
-        """What the request path reads of the settings now (router.plan)."""
+        """What the request path reads of the settings now (router.request.plan)."""
         plan = self.pipeline.plan
         assert plan is not None
         return plan

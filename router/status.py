@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.backends import Backend, Pools
+from router.backends.pools import Backend, Pools
 from router.content import CONTENT_KINDS
-from router.learn import SpeedModel, crossover
-from router.plan import Plan
 from router.quantiles import percentile
+from router.request.plan import Plan
+from router.routing.learn import SpeedModel, crossover
 
 
 def status(plan: Plan, pools: Pools, speeds: SpeedModel, *, now: float) -> dict[str, Any]:

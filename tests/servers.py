@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from router.listener import uvicorn_config
+from router.server.listener import uvicorn_config
 from tests.wait import wait_until
 
 # The test running now if it is in the fast unit set (marked neither `e2e` nor `real`): set by

@@ -9,12 +9,12 @@ from typing import Any
 import httpx
 import pytest
 
-from router.backends import Pools
+from router.backends.engines import EngineLoad, EngineView
+from router.backends.pools import Pools
 from router.clock import ManualClock
 from router.config import Settings
-from router.engines import EngineLoad, EngineView
-from router.learn import SpeedModel
-from router.snapshot import snapshot
+from router.routing.learn import SpeedModel
+from router.routing.snapshot import snapshot
 from tests.conftest import Cluster
 from tests.wait import wait_until
 

@@ -25,14 +25,14 @@ import pytest
 import trustme
 from pydantic import BaseModel
 
+from router.backends.engines import EngineLoad
 from router.batch.service import BatchService
-from router.classify import Classification, RequestFacts
 from router.clock import ManualClock
 from router.config import Settings
-from router.decide import content_kind
-from router.engines import EngineLoad
 from router.errors import RouterError
-from router.policy import PoolState
+from router.request.decide import content_kind
+from router.routing.classify import Classification, RequestFacts
+from router.routing.policy import PoolState
 from router.runtime import NEEDS_RESTART, Router
 from router.status import status
 from tests.fake_engine import FakeEngine

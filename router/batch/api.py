@@ -23,8 +23,8 @@ from router.batch import files
 from router.batch.store import BatchRecord, FileRecord, StorageFull
 from router.batch.upload import receive_upload, refuse_declared
 from router.errors import BadRequest, Conflict, NotFound, PayloadTooLarge
-from router.headers import bearer
-from router.payload import ClientGone, parse_json, read_body
+from router.request.headers import bearer
+from router.request.payload import ClientGone, parse_json, read_body
 
 if TYPE_CHECKING:
     from router.batch.service import BatchService

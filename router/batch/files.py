@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from router.errors import BadRequest
-from router.payload import parse_json
+from router.request.payload import parse_json
 
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 

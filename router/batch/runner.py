@@ -34,7 +34,7 @@ from anyio.abc import TaskGroup
 from starlette.types import Message
 
 from router.auth import INTERNAL_SCOPE_KEY
-from router.backends import Pool
+from router.backends.pools import Pool
 from router.batch.metrics import BatchMetrics
 from router.batch.store import BatchRecord, BatchStatus, Line, Store
 from router.config import Batch as BatchConfig

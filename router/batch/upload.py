@@ -25,7 +25,7 @@ from python_multipart.multipart import parse_options_header
 from starlette.requests import Request
 
 from router.errors import BadRequest, PayloadTooLarge
-from router.payload import body_chunks
+from router.request.payload import body_chunks
 
 if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks

@@ -1,0 +1,58 @@
+"""Active health checks: each backend's `/health`, probed on an interval.
+
+A backend leaves after `unhealthy_after` failed probes in a row and comes back after
+`healthy_after` good ones; one ejected for failing requests (see `Backend.request_failed`) sits
+out its ejection time first (router.outlier keeps that state; this module only probes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from router.backends.pools import Backend, Pools
+from router.clock import Clock
+from router.config import Health
+from router.transport import TlsError, Transport, TransportError
+
+logger = logging.getLogger("specroute")
+
+
+class HealthChecker:
+    def __init__(self, pools: Pools, transport: Transport, *, clock: Clock) -> None:
+        self._pools = pools
+        self._transport = transport
+        self._clock = clock
+        self._config = Health()
+        self._tls_failing: set[str] = set()  # backends whose TLS failure is logged already
+
+    def configure(self, config: Health) -> None:
+        self._config = config
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.interval)
+            await self.check_all()
+
+    async def check_all(self, *, first: bool = False) -> None:
+        """Probe every backend; `first` (at start-up) takes each result at once."""
+        await asyncio.gather(*(self._check(backend, first) for backend in self._pools.backends()))
+        for pool in self._pools:
+            pool.wake()
+
+    async def _check(self, backend: Backend, first: bool) -> None:
+        # Probes go straight to the engine: they are not requests, and count in no metric.
+        try:
+            async with asyncio.timeout(self._config.timeout):
+                status, _ = await self._transport.get(backend.url + "/health")
+            ok = status == 200
+        except TlsError as exc:
+            ok = False
+            if backend.name not in self._tls_failing:  # once, not every interval
+                self._tls_failing.add(backend.name)
+                logger.warning("backend %r fails its health check: %s", backend.name, exc)
+        except (TransportError, TimeoutError):
+            ok = False
+        else:
+            self._tls_failing.discard(backend.name)
+        backend.outlier.probed(self._clock.now(), ok, first=first)

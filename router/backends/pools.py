@@ -1,0 +1,359 @@
+"""The router's slots on its backends, and each pool's bounded queue.
+
+A request takes a slot with `await pool.acquire(job)` and gives it back with `pool.release()`.
+When every healthy backend is at `max_concurrency`, it waits in the pool's queue, interactive
+requests ahead of batch ones, until a slot frees, the queue wait runs out, or it is cancelled.
+A queued request is not yet bound to a backend, so the queue belongs to the pool.
+
+A `Backend` is the router's slots on one engine plus its parts of other concerns, each kept
+apart: `outlier` (health and ejection, router.outlier), `engine` (what the engine says of its
+load, router.engines), `first_tokens` (streams waiting for theirs, recent first-token times).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from router.backends.engines import EngineView
+from router.backends.outlier import Outlier
+from router.config import Backend as BackendConfig
+from router.config import Health as HealthConfig
+from router.config import JobClass
+from router.config import Pool as PoolConfig
+from router.errors import NoBackendAvailable
+
+_EWMA = 0.2  # weight of the newest request duration in the pool's running mean
+# Retry-After on the pool's 503s, seconds: a guess from the measured durations, within these.
+RETRY_AFTER_FLOOR = 1
+RETRY_AFTER_CAP = 60
+
+
+class FirstTokens:
+    """Streams sent to a backend that have no first token yet, and its recent first-token times."""
+
+    def __init__(self) -> None:
+        self.recent: deque[float] = deque(maxlen=256)
+        self._waiting: dict[object, float] = {}  # a token of each stream -> when it was sent
+
+    def waiting(self, token: object, now: float) -> None:
+        self._waiting[token] = now
+
+    def arrived(self, token: object, ttft: float) -> None:
+        """A stream's first token arrived (`ttft` seconds after it reached the router)."""
+        if self._waiting.pop(token, None) is not None:
+            self.recent.append(ttft)
+
+    def forget(self, token: object) -> None:
+        self._waiting.pop(token, None)
+
+    def oldest_wait(self, now: float) -> float:
+        """Seconds the oldest stream sent here has waited without a first token (0: none waits)."""
+        return now - min(self._waiting.values()) if self._waiting else 0.0
+
+
+class Backend:
+    def __init__(self, name: str, pool: str, config: BackendConfig) -> None:
+        self.name = name
+        self.pool = pool
+        self.url = config.url
+        self.api_key = config.api_key()
+        self.max_concurrency = config.max_concurrency
+        self.in_flight = 0
+        self.sent = 0  # requests it was ever given a slot for
+        self.draining = False  # set by an operator: no new work, running requests finish
+        self.outlier = Outlier(name, pool)
+        self.engine = EngineView()
+        self.first_tokens = FirstTokens()
+
+    def configure(self, config: BackendConfig) -> None:
+        """A reloaded configuration for the same backend (same name and URL)."""
+        self.api_key = config.api_key()
+        self.max_concurrency = config.max_concurrency
+
+    @property
+    def healthy(self) -> bool:
+        return self.outlier.healthy
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new work may go here: healthy and not being drained."""
+        return self.outlier.healthy and not self.draining
+
+    @property
+    def has_room(self) -> bool:
+        return self.accepting and self.in_flight < self.max_concurrency
+
+    @property
+    def load(self) -> float:
+        return self.in_flight / self.max_concurrency
+
+    @property
+    def auth_headers(self) -> list[tuple[str, str]]:
+        """The engine's own key, for the router's requests to it (models, metrics)."""
+        return [("authorization", f"Bearer {self.api_key}")] if self.api_key else []
+
+    def concurrency(self, now: float, stale_after: float) -> int:
+        """Requests on the engine: its reading plus what this router sent since (router.backends.engines)."""
+        return self.engine.concurrency(now, stale_after, in_flight=self.in_flight)
+
+    def kv_projected(self, now: float, stale_after: float, tokens: int | None = None) -> float | None:
+        """The engine's KV usage once one more request of `tokens` is sent (router.engines)."""
+        return self.engine.kv_projected(
+            now, stale_after, in_flight=self.in_flight, max_concurrency=self.max_concurrency, tokens=tokens
+        )
+
+    def overflow(self, now: float, stale_after: float, kv_threshold: float, tokens: int | None = None) -> int:
+        """Its requests projected to wait inside the engine for KV room (router.backends.engines)."""
+        return self.engine.overflow(
+            now,
+            stale_after,
+            kv_threshold,
+            in_flight=self.in_flight,
+            max_concurrency=self.max_concurrency,
+            tokens=tokens,
+        )
+
+    def has_engine_room(self, now: float, stale_after: float, kv_threshold: float, tokens: int | None = None) -> bool:
+        return self.engine.has_room(now, stale_after, kv_threshold, max_concurrency=self.max_concurrency, tokens=tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class _Waiter:
+    future: asyncio.Future[Backend]
+    only: str | None  # the one backend it may take (router.affinity), or any
+
+
+class Pool:
+    def __init__(
+        self,
+        name: str,
+        *,
+        speculative: bool,
+        backends: list[Backend],
+        queue_size: int,
+        queue_timeout: float,
+    ) -> None:
+        self.name = name
+        self.speculative = speculative
+        self.backends = backends
+        self.queue_size = queue_size
+        self.queue_timeout = queue_timeout
+        self._waiters: dict[JobClass, deque[_Waiter]] = {
+            "interactive": deque(),
+            "batch": deque(),
+        }
+        self.mean_duration: float | None = None  # seconds a request takes here, a running mean (None: none yet)
+
+    def queued(self, job: JobClass | None = None) -> int:
+        if job is not None:
+            return len(self._waiters[job])
+        return sum(len(waiters) for waiters in self._waiters.values())
+
+    @property
+    def in_flight(self) -> int:
+        return sum(backend.in_flight for backend in self.backends)
+
+    @property
+    def accepting(self) -> bool:
+        return any(backend.accepting for backend in self.backends)
+
+    def _unavailable(self) -> NoBackendAvailable:
+        if any(backend.healthy for backend in self.backends):
+            why = "is being drained"
+        else:
+            why = "has no healthy backend" if self.backends else "was removed from the configuration"
+        return NoBackendAvailable(f"pool {self.name!r} {why}", retry_after=self._retry_after(), code="pool_unavailable")
+
+    def _unavailable_owner(self, name: str) -> NoBackendAvailable:
+        return NoBackendAvailable(
+            f"backend {name!r} of pool {self.name!r}, the one that may serve this request, is not accepting",
+            retry_after=self._retry_after(),
+            code="pool_unavailable",
+        )
+
+    async def acquire(
+        self, job: JobClass, *, exclude: frozenset[str] = frozenset(), only: str | None = None
+    ) -> Backend:
+        """`exclude`: backends a retry must not go back to (none free among the others: fails at
+        once). `only`: the one backend that may serve the request (router.affinity); it waits in
+        the queue for a slot there, bounded like any other, while the others keep flowing."""
+        if not self.accepting:
+            raise self._unavailable()
+        if only is not None:
+            owner = next((b for b in self.backends if b.name == only), None)
+            if owner is None or not owner.accepting:
+                raise self._unavailable_owner(only)
+        if only is not None or not self.queued() or exclude:
+            # Pinned: a slot free on its backend is one no queued request could take (`wake`).
+            backend = self._take(exclude, only)
+            if backend is not None:
+                return backend
+            if exclude:
+                raise NoBackendAvailable(
+                    f"pool {self.name!r} has no other backend free",
+                    retry_after=self._retry_after(),
+                    code="pool_unavailable",
+                )
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), only)
+        queue = self._waiters[job]
+        queue.append(waiter)
+        # Those ahead may all wait for a full backend of their own: a slot none of them can take
+        # is this one's now, not at the next release.
+        self.wake()
+        if not waiter.future.done() and self.queued() > self.queue_size:
+            queue.remove(waiter)
+            raise NoBackendAvailable(
+                f"pool {self.name!r} is full and its queue holds {self.queue_size} requests",
+                retry_after=self._retry_after(),
+                code="queue_full",
+            )
+        try:
+            async with asyncio.timeout(self.queue_timeout):
+                return await waiter.future
+        except BaseException as exc:
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                # A slot was handed over just as we gave up: pass it on.
+                self.release(future.result())
+            else:
+                future.cancel()
+                with contextlib.suppress(ValueError):  # _wake may have dropped it already
+                    self._waiters[job].remove(waiter)
+            if isinstance(exc, TimeoutError):
+                where = f"backend {only!r} of pool {self.name!r}" if only is not None else f"pool {self.name!r}"
+                raise NoBackendAvailable(
+                    f"{where} had no free slot within {self.queue_timeout:g} s",
+                    retry_after=self._retry_after(),
+                    code="queue_timeout",
+                ) from exc
+            raise
+
+    def release(self, backend: Backend, *, duration: float | None = None) -> None:
+        backend.in_flight -= 1
+        if duration is not None:
+            mean = self.mean_duration
+            self.mean_duration = duration if mean is None else mean + _EWMA * (duration - mean)
+        self.wake()
+
+    def wake(self) -> None:
+        """Hand free slots to queued requests (after a release, or a backend turning healthy or
+        being drained or resumed); fail at once those with no backend left to wait for. Requests
+        go in order, interactive first; one pinned to a backend that is full lets those behind
+        it take another. Once a request that may go anywhere finds no slot, nobody behind it
+        gets one, but the rest of the queue is still failed or dropped as it must be."""
+        accepting = {b.name for b in self.backends if b.accepting}
+        slots = True
+        for queue in self._waiters.values():
+            full: set[str] = set()  # backends a pinned request found full: none behind gets them
+            at = 0
+            while at < len(queue):
+                waiter = queue[at]
+                if waiter.future.done():
+                    del queue[at]  # cancelled while queued; its request has gone
+                elif not accepting or (waiter.only is not None and waiter.only not in accepting):
+                    del queue[at]
+                    failure = self._unavailable() if waiter.only is None else self._unavailable_owner(waiter.only)
+                    waiter.future.set_exception(failure)
+                elif slots and waiter.only not in full and (backend := self._take(only=waiter.only)) is not None:
+                    del queue[at]
+                    waiter.future.set_result(backend)
+                else:
+                    if waiter.only is None:
+                        slots = False  # no slot anywhere
+                    else:
+                        full.add(waiter.only)
+                    at += 1
+
+    def has_other(self, exclude: frozenset[str]) -> bool:
+        """Whether a healthy backend not in `exclude` has room now (for a retry)."""
+        return any(b.has_room and b.name not in exclude for b in self.backends)
+
+    def _take(self, exclude: frozenset[str] = frozenset(), only: str | None = None) -> Backend | None:
+        candidates = [
+            b for b in self.backends if b.has_room and b.name not in exclude and (only is None or b.name == only)
+        ]
+        if not candidates:
+            return None
+        backend = min(candidates, key=lambda b: b.load)
+        backend.in_flight += 1
+        backend.sent += 1
+        return backend
+
+    def _retry_after(self) -> int:
+        """When a slot is likely free for one more request: the queue ahead of it served at the
+        pool's measured pace (its running mean duration over its slots). Before anything is
+        measured, the floor: a guess would be no better, and a too-long one idles the pool."""
+        if self.mean_duration is None:
+            return RETRY_AFTER_FLOOR
+        # With no backend accepting, the slots it will have once one returns.
+        capacity = sum(b.max_concurrency for b in self.backends if b.accepting) or sum(
+            b.max_concurrency for b in self.backends
+        )
+        wait = self.mean_duration * (self.queued() + 1) / (capacity or 1)
+        return max(RETRY_AFTER_FLOOR, min(RETRY_AFTER_CAP, math.ceil(wait)))
+
+
+class Pools:
+    """Every pool of the router, by name."""
+
+    def __init__(self) -> None:
+        self._pools: dict[str, Pool] = {}
+
+    def configure(self, configs: Mapping[str, PoolConfig], health: HealthConfig) -> set[str]:
+        """Take the (re)loaded `pools` and `health` sections. A backend still configured in the same pool with the
+        same URL is kept, with its requests in flight, health and readings; others are new.
+        Requests running on a backend or pool that is gone finish there; its queue is failed.
+        Returns the names of the backends that were not kept (new, gone, or at another URL).
+        """
+        before = {backend.name: backend for backend in self.backends()}
+        pools: dict[str, Pool] = {}
+        for name, config in configs.items():
+            old = self._pools.get(name)
+            kept = {b.name: b for b in old.backends} if old is not None else {}
+            backends = []
+            for backend_name, backend_config in config.backends.items():
+                backend = kept.get(backend_name)
+                if backend is not None and backend.url == backend_config.url:
+                    backend.configure(backend_config)
+                else:
+                    backend = Backend(backend_name, name, backend_config)
+                backend.outlier.config = health
+                backends.append(backend)
+            if old is None:
+                pools[name] = Pool(
+                    name,
+                    speculative=config.speculative,
+                    backends=backends,
+                    queue_size=config.queue_size,
+                    queue_timeout=config.queue_timeout,
+                )
+            else:
+                old.speculative, old.backends = config.speculative, backends
+                old.queue_size, old.queue_timeout = config.queue_size, config.queue_timeout
+                pools[name] = old
+        gone = [pool for name, pool in self._pools.items() if name not in pools]
+        self._pools = pools
+        for pool in gone:
+            pool.backends = []
+        for pool in [*pools.values(), *gone]:
+            pool.wake()
+        after = {backend.name: backend for backend in self.backends()}
+        return {name for name in before.keys() | after.keys() if before.get(name) is not after.get(name)}
+
+    def __getitem__(self, name: str) -> Pool:
+        return self._pools[name]
+
+    def get(self, name: str) -> Pool | None:
+        return self._pools.get(name)
+
+    def __iter__(self) -> Iterator[Pool]:
+        return iter(self._pools.values())
+
+    def backends(self) -> Iterator[Backend]:
+        for pool in self:
+            yield from pool.backends

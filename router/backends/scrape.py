@@ -1,0 +1,204 @@
+"""Reading what the engines say about their own load from their `/metrics` (into router.engines).
+
+The router's own in-flight counts stay the primary signal: scraped gauges lag by a scrape
+interval and the engine's own update period. What scraping adds is the load that other clients
+and other router replicas put on the same engine, whether requests wait inside the engine, how
+full its KV cache is, and how well its speculation is guessing right now.
+
+vLLM and SGLang name these differently; both are read:
+
+| figure | vLLM | SGLang |
+|---|---|---|
+| running | `vllm:num_requests_running` | `sglang:num_running_reqs` |
+| waiting | `vllm:num_requests_waiting` | `sglang:num_queue_reqs` |
+| KV usage (0..1) | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `sglang:token_usage` |
+| speculation | `vllm:spec_decode_num_{accepted_tokens,draft_tokens,drafts}_total` | `sglang:spec_accept_*` |
+| stated capacity | `vllm:cache_config_info{kv_cache_max_concurrency}` | (none) |
+| stated KV size | `vllm:cache_config_info{kv_cache_size_tokens,block_size,max_model_len}` | (none) |
+
+The stated capacity (requests of full length that the KV cache holds; else `num_gpu_blocks` ×
+`block_size` ÷ `max_model_len` from the same labels) is the router's prior for the KV a request
+takes when the request's length is not known, until it has seen the engine loaded. The stated
+size (else `num_gpu_blocks` × `block_size`) turns a request's own length into the KV it holds at
+its end (router.engines).
+
+An engine with several ranks (data parallel) exports a series per rank: counts are summed,
+the KV usage is the highest, and the speculation figures are averaged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Mapping
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.backends.engines import EngineLoad
+from router.backends.pools import Backend, Pools
+from router.clock import Clock
+from router.config import Scrape
+from router.transport import Transport, TransportError
+
+_RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+_WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+_DRAFTS = "vllm:spec_decode_num_drafts_total"
+_ACCEPT_LENGTH = "sglang:spec_accept_length"
+_ACCEPT_RATE = "sglang:spec_accept_rate"
+_CACHE_INFO = "vllm:cache_config_info"
+
+logger = logging.getLogger("specroute.backends")
+
+
+def parse(text: str) -> dict[str, list[float]]:
+    """Every sample of a Prometheus exposition by sample name, one value per label set.
+
+    The labels of vLLM's `cache_config_info` (its stated capacity) are kept as the values of
+    `vllm:cache_config_info:<label>`, for the ones that are numbers. A value that is not a finite
+    number (the exposition format allows `NaN` and `+Inf`) says nothing of a load and is left
+    out, as if the engine had not sent it.
+    """
+    samples: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if math.isfinite(sample.value):
+                samples.setdefault(sample.name, []).append(sample.value)
+            if sample.name == _CACHE_INFO:
+                for label, value in sample.labels.items():
+                    with contextlib.suppress(ValueError):
+                        if math.isfinite(number := float(value)):
+                            samples.setdefault(f"{_CACHE_INFO}:{label}", []).append(number)
+    return samples
+
+
+def _stated_concurrency(values: Mapping[str, list[float]]) -> float | None:
+    """Requests the engine's KV cache holds at full length, as the engine states it."""
+    stated = values.get(f"{_CACHE_INFO}:kv_cache_max_concurrency")
+    if stated:
+        return sum(stated)  # one series per data-parallel rank, each with its own cache
+    blocks, size = values.get(f"{_CACHE_INFO}:num_gpu_blocks"), values.get(f"{_CACHE_INFO}:block_size")
+    length = values.get(f"{_CACHE_INFO}:max_model_len")
+    if blocks and size and length and length[0] > 0:
+        return sum(blocks) * size[0] / length[0]
+    return None
+
+
+def _stated_kv_tokens(values: Mapping[str, list[float]]) -> float | None:
+    """The size of the engine's KV cache in tokens, as it states it (of one rank: the KV usage read
+    is the fullest rank's)."""
+    stated = values.get(f"{_CACHE_INFO}:kv_cache_size_tokens")
+    if stated:
+        return min(stated)
+    blocks, size = values.get(f"{_CACHE_INFO}:num_gpu_blocks"), values.get(f"{_CACHE_INFO}:block_size")
+    return min(blocks) * size[0] if blocks and size else None
+
+
+def _first(
+    values: Mapping[str, list[float]], names: tuple[str, ...], combine: Callable[[list[float]], float]
+) -> float | None:
+    return next((combine(values[name]) for name in names if values.get(name)), None)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def engine_load(
+    values: Mapping[str, list[float]], previous: Mapping[str, list[float]] | None, now: float
+) -> EngineLoad:
+    """The load figures from one scrape; speculation rates from the counters' change since `previous`."""
+    acceptance = accept_length = draft_tokens = None
+    if previous is not None and values.get(_ACCEPTED) and values.get(_DRAFT_TOKENS):
+
+        def delta(name: str) -> float:
+            return sum(values.get(name, ())) - sum(previous.get(name, ()))
+
+        drafted, accepted, drafts = delta(_DRAFT_TOKENS), delta(_ACCEPTED), delta(_DRAFTS)
+        if drafted > 0:
+            acceptance = accepted / drafted
+        if drafts > 0:
+            accept_length = 1 + accepted / drafts
+            draft_tokens = drafted / drafts
+    accept_length = _first(values, (_ACCEPT_LENGTH,), _mean) or accept_length
+    acceptance = _first(values, (_ACCEPT_RATE,), _mean) or acceptance
+    waiting = _first(values, _WAITING, sum)
+    before = _first(previous, _WAITING, sum) if previous is not None else None
+    return EngineLoad(
+        running=_first(values, _RUNNING, sum),
+        waiting=waiting,
+        queued=min(waiting, before) if waiting is not None and before is not None else None,
+        kv_usage=_first(values, _KV, max),
+        acceptance=acceptance,
+        accept_length=accept_length,
+        draft_tokens=draft_tokens,
+        max_concurrency=_stated_concurrency(values),
+        kv_cache_tokens=_stated_kv_tokens(values),
+        block_size=_first(values, (f"{_CACHE_INFO}:block_size",), min),
+        model_len=_first(values, (f"{_CACHE_INFO}:max_model_len",), min),
+        scraped_at=now,
+    )
+
+
+class EngineScraper:
+    """Reads every backend's `/metrics` each `scrape.interval` into its `EngineView`."""
+
+    def __init__(self, pools: Pools, transport: Transport, *, clock: Clock) -> None:
+        self._pools = pools
+        self._transport = transport
+        self._clock = clock
+        self._config = Scrape()
+        self._previous: dict[str, dict[str, list[float]]] = {}
+        # Requests sent to each backend (Backend.sent) when its last good reading was asked for.
+        self._sent: dict[str, int] = {}
+
+    def configure(self, config: Scrape) -> None:
+        self._config = config
+
+    async def run(self) -> None:
+        while True:
+            await self.scrape_all()
+            await asyncio.sleep(self._config.interval)
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self._scrape(backend) for backend in self._pools.backends()))
+
+    async def _scrape(self, backend: Backend) -> None:
+        config, view = self._config, backend.engine
+        sent, running = backend.sent, backend.in_flight
+        # Of the requests running now, those sent since the last good reading was asked for.
+        before = self._sent.get(backend.name, 0)
+        recent = running if before > sent else min(running, sent - before)  # (a new Backend: all)
+        try:
+            async with asyncio.timeout(config.timeout):
+                status, body = await self._transport.get(backend.url + "/metrics", headers=backend.auth_headers)
+            if status != 200:
+                raise ValueError(f"/metrics answered {status}")
+            values = parse(body.decode("utf-8", "replace"))
+        except (TransportError, TimeoutError, ValueError) as exc:
+            # The last load stays, and goes stale.
+            now = self._clock.now()
+            scraped_at = view.reading.scraped_at
+            if not view.stale and scraped_at and not view.reading.fresh(now, config.stale_after):
+                view.stale = True
+                logger.warning(
+                    "backend %s (pool %s) engine readings stale (no good scrape for %.1f s: %s)",
+                    backend.name,
+                    backend.pool,
+                    now - scraped_at,
+                    str(exc) or type(exc).__name__,
+                )
+            return
+        load = engine_load(values, self._previous.get(backend.name), self._clock.now())
+        counted = view.counted(load, earlier=running - recent, recent=recent)
+        view.observe(dataclasses.replace(load, own_in_flight=min(counted, backend.in_flight)))
+        self._previous[backend.name] = values
+        self._sent[backend.name] = sent
+        if view.stale:
+            view.stale = False
+            logger.info("backend %s (pool %s) engine readings fresh again", backend.name, backend.pool)

@@ -1,0 +1,73 @@
+"""`GET /v1/models`: the union of every backend's models, cached briefly.
+
+The names it last saw are also the values the metrics' `model` label may take, so it refreshes
+itself in the background (`run`) even when no client asks for the list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from router.backends.pools import Backend, Pools
+from router.clock import Clock
+from router.transport import Transport, TransportError
+
+# How often the background refresh asks the backends; a model added to an engine is counted
+# under its own name from then on (before that, as `other`).
+REFRESH_SECONDS = 30.0
+
+
+class ModelCatalog:
+    def __init__(self, pools: Pools, transport: Transport, *, clock: Clock) -> None:
+        self._pools = pools
+        self._transport = transport
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self.known: frozenset[str] = frozenset()  # every model id seen since start (never shrinks)
+        self.configure(ttl=0.0, timeout=1.0)
+
+    def configure(self, *, ttl: float, timeout: float) -> None:
+        """(Re)loaded settings; the backends may have changed, so the cached list goes."""
+        self._ttl = ttl
+        self._timeout = timeout
+        self._cached: list[dict[str, Any]] | None = None
+        self._fetched_at = 0.0
+
+    async def models(self) -> list[dict[str, Any]]:
+        async with self._lock:  # one refresh at a time; the others take its result
+            if self._cached is None or self._clock.now() - self._fetched_at > self._ttl:
+                self._cached = await self._fetch()
+                self._fetched_at = self._clock.now()
+            return self._cached
+
+    async def run(self, interval: float = REFRESH_SECONDS) -> None:
+        """Learn the model names every `interval` (the first time is at start-up, in router.app)."""
+        while True:
+            await asyncio.sleep(interval)
+            await self.learn_names()
+
+    async def learn_names(self) -> None:
+        """Ask the backends for their models, for the names only (clients' list keeps its cache)."""
+        self.known |= {model["id"] for model in await self._fetch()}
+
+    async def _fetch(self) -> list[dict[str, Any]]:
+        answers = await asyncio.gather(*(self._list(b) for b in self._pools.backends()))
+        seen: dict[str, dict[str, Any]] = {}
+        for models in answers:
+            for model in models:
+                seen.setdefault(model["id"], model)
+        self.known |= set(seen)
+        return list(seen.values())
+
+    async def _list(self, backend: Backend) -> list[dict[str, Any]]:
+        try:
+            async with asyncio.timeout(self._timeout):
+                status, body = await self._transport.get(backend.url + "/v1/models", headers=backend.auth_headers)
+            data = json.loads(body).get("data", []) if status == 200 else []
+        except (TransportError, TimeoutError, ValueError, AttributeError):
+            return []  # an unreachable backend contributes nothing; /readyz reports it
+        if not isinstance(data, list):
+            return []  # nor does one whose answer is no list of models, e.g. {"data": 5}
+        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

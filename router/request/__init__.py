@@ -1,0 +1,1 @@
+"""The request path, one stage a module: ingress, decide, forward, relay, observe."""

@@ -1,0 +1,85 @@
+"""Decision, the second stage: where the request goes and why, and what is sent there.
+
+Classification (router.classify) of the request's facts and its client's recent load, the kind
+of its content, and the policy (router.policy) over a snapshot of the pools (router.snapshot).
+A pure function: no I/O, no clock, no live state but what the caller passes in.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.content import ContentKind, detect_kind, request_text
+from router.errors import BadRequest
+from router.request.incoming import Incoming
+from router.routing.classify import Classifier, RequestFacts, UnknownOverride
+from router.routing.policy import Decision, Policy, PoolState
+
+# Paths whose streams accept `stream_options.include_usage`.
+_USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    decision: Decision
+    body: bytes  # what goes upstream
+    drop_usage_chunk: bool  # the stream's usage chunk was asked for by the router, not the client
+    backend: str | None = None  # the one backend that may serve it (router.affinity), if any
+
+
+def decide(
+    incoming: Incoming,
+    *,
+    classifier: Classifier,
+    policy: Policy,
+    code_hints: tuple[str, ...],
+    client_load: float,
+    pools: Mapping[str, PoolState],
+) -> Routed:
+    """`client_load`: the client's other requests in flight, or its recent peak if higher."""
+    facts = RequestFacts(
+        headers=incoming.headers,
+        api_key=incoming.api_key,
+        model=incoming.field("model", str),
+        user=incoming.field("user", str),
+        metadata=incoming.field("metadata", dict) or {},
+        n=incoming.field("n", int) or 1,
+        client_load=client_load,
+    )
+    try:
+        classification = classifier.classify(facts)
+    except UnknownOverride as exc:
+        raise BadRequest(str(exc), param=exc.header, code=exc.code) from exc
+    decision = policy.decide(classification, content_kind(incoming.payload, code_hints), pools)
+    body, drop_usage_chunk = upstream_body(incoming, rewrite_model=classification.rewrite_model)
+    return Routed(decision, body, drop_usage_chunk)
+
+
+def content_kind(payload: Mapping[str, Any], code_hints: tuple[str, ...]) -> ContentKind:
+    if payload.get("tools") or payload.get("functions"):
+        return "code"  # tool calls are structured output, which a drafter guesses well
+    return detect_kind(request_text(payload), hints=code_hints)
+
+
+def upstream_body(incoming: Incoming, *, rewrite_model: str | None) -> tuple[bytes, bool]:
+    """The body to send upstream, and whether the usage chunk of its stream is ours to drop.
+    The client's bytes go as they came unless something in them must change."""
+    changes: dict[str, Any] = {}
+    if rewrite_model is not None:
+        changes["model"] = rewrite_model
+    drop_usage_chunk = False
+    if incoming.stream and incoming.arrival.path in _USAGE_PATHS:
+        options = incoming.payload.get("stream_options")
+        options = options if isinstance(options, dict) else {}
+        if options.get("include_usage") is not True:
+            # Ask for the token counts; the client did not, so the extra chunk is removed. Usage
+            # on every chunk (`continuous_usage_stats`) comes only with `include_usage`: the
+            # client, not asking for that, would get none from the engine, so none through here.
+            changes["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": False}
+            drop_usage_chunk = True
+    if not changes:
+        return incoming.body, False
+    return json.dumps({**incoming.payload, **changes}, separators=(",", ":")).encode(), drop_usage_chunk

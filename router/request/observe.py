@@ -1,0 +1,131 @@
+"""Observation, the last stage: the one place the request path records what happened.
+
+Metrics as they happen (a decision, a queue wait, an upstream failure or retry, a first token:
+a queue shows while it builds), and once a request has ended, from its `Finished` record: the
+request counters and histograms, the tokens, the speed its user saw (learned per backend),
+and the access log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from router import logs
+from router.backends.pools import Backend
+from router.metrics import Children, Metrics
+from router.request.incoming import Arrival
+from router.routing.learn import SpeedModel
+from router.routing.policy import Decision
+
+access_log = logging.getLogger("specroute.access")
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """One request at its end, whatever became of it."""
+
+    arrival: Arrival
+    duration: float  # seconds from arrival to the last byte
+    status: int
+    code: str | None  # the router's error code, when it answered or ended the request with one
+    model: str | None  # as the client named it
+    client: str | None
+    decision: Decision | None
+    backend: Backend | None
+    attempts: int = 0  # sent upstream this many times (1 + retries)
+    queue_wait: float = 0.0  # seconds in pool queues, over all attempts
+    concurrency: int = 0  # requests on the backend when this one was sent, itself included
+    ttft: float | None = None
+    tokens: int | None = None
+    prompt_tokens: int | None = None
+    accept_length: float | None = None  # the backend's speculative gain when it ended
+
+
+class Observer:
+    def __init__(self, metrics: Metrics, speeds: SpeedModel) -> None:
+        self._metrics = metrics
+        self._speeds = speeds
+        # Each metric's children by label values, resolved once (router.metrics.Children).
+        self._decisions = Children(metrics.decisions)
+        self._queue_wait = Children(metrics.queue_wait)
+        self._upstream_errors = Children(metrics.upstream_errors)
+        self._locates = Children(metrics.locates)
+        self._retries = Children(metrics.retries)
+        self._ttft = Children(metrics.ttft)
+        self._requests = Children(metrics.requests)
+        self._duration = Children(metrics.duration)
+        self._tpot = Children(metrics.tpot)
+        self._completion_tokens = Children(metrics.completion_tokens)
+        self._prompt_tokens = Children(metrics.prompt_tokens)
+
+    def decided(self, decision: Decision) -> None:
+        self._decisions(decision.job, decision.pool, decision.reason, decision.content).inc()
+
+    def queued(self, pool: str, decision: Decision, waited: float) -> None:
+        self._queue_wait(pool, decision.job).observe(waited)
+
+    def upstream_error(self, backend: Backend, kind: str) -> None:
+        self._upstream_errors(backend.pool, backend.name, kind).inc()
+
+    def located(self, result: str) -> None:
+        self._locates(result).inc()
+
+    def retried(self, backend: Backend, reason: str) -> None:
+        self._retries(backend.pool, backend.name, reason).inc()
+
+    def first_token(self, decision: Decision, backend: Backend, model: str | None, ttft: float, token: object) -> None:
+        self._ttft(decision.pool, backend.name, decision.job, self._metrics.model(model)).observe(ttft)
+        backend.first_tokens.arrived(token, ttft)
+
+    def finished(self, done: Finished) -> None:
+        metrics = self._metrics
+        decision, backend = done.decision, done.backend
+        pool = decision.pool if decision else ""
+        name = backend.name if backend else ""
+        job = decision.job if decision else ""
+        model = metrics.model(done.model)
+        labels = (pool, name, job, model)
+        self._requests(*labels, str(done.status), done.code or "").inc()
+        self._duration(*labels).observe(done.duration)
+        if backend is not None and decision is not None:
+            if done.tokens:
+                self._completion_tokens(pool, name, model).inc(done.tokens)
+                elapsed = done.duration - done.ttft if done.ttft is not None else 0.0
+                if elapsed > 0 and done.tokens > 1 and done.status < 400:
+                    self._tpot(*labels).observe(elapsed / (done.tokens - 1))
+                    self._speeds.observe(
+                        backend.name,
+                        decision.content,
+                        concurrency=done.concurrency,
+                        speed=(done.tokens - 1) / elapsed,
+                        tokens=done.tokens,
+                        gain=done.accept_length,
+                    )
+            if done.prompt_tokens:
+                self._prompt_tokens(pool, name, model).inc(done.prompt_tokens)
+        if access_log.isEnabledFor(logging.INFO):
+            fields = access_fields(done)
+            access_log.info(logs.key_values(fields), extra={"fields": fields})
+
+
+def access_fields(done: Finished) -> dict[str, str | int | None]:
+    """What the access log says of a request: never a prompt, a completion or a key."""
+    decision = done.decision
+    return {
+        "id": done.arrival.request_id,
+        "path": done.arrival.path,
+        "model": done.model,
+        "client": logs.client_hash(done.client) if done.client else None,
+        "job": decision.job if decision else None,
+        "reason": decision.reason if decision else None,
+        "pool": decision.pool if decision else None,
+        "backend": done.backend.name if done.backend else None,
+        "status": done.status,
+        "code": done.code,
+        "retries": max(done.attempts - 1, 0),
+        "queue_ms": round(done.queue_wait * 1000),
+        "ttft_ms": round(done.ttft * 1000) if done.ttft is not None else None,
+        "tokens": done.tokens,
+        "duration_ms": round(done.duration * 1000),
+    }

@@ -1,0 +1,88 @@
+"""Relay, the fourth stage: an engine's answer to the client, whole or as a stream.
+
+A stream's bytes go from the upstream socket to the client with nothing in between but one
+`StreamWatch.feed`, which counts tokens, spots the first token and drops the usage chunk the
+router asked for. Once a byte has gone to the client nothing is retried: a stream that breaks
+or goes silent ends with one error event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from starlette.types import Send
+
+from router import sse
+from router.request.headers import response_headers
+from router.transport import Response, TooLarge, TransportError
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    status: int
+    code: str | None = None  # the router's error code, when it ended the stream with one
+    tokens: int | None = None
+    prompt_tokens: int | None = None
+    response_id: str | None = None  # the answer's `id` (a stored response's, for router.affinity)
+
+
+@dataclass(slots=True)
+class Progress:
+    """How far a relay got, for a request ended under way (client gone, shutdown)."""
+
+    streaming: bool = False  # the answer's head has gone to the client (whole or streamed): no error answer now
+    ttft: float | None = None
+
+
+async def relay_whole(
+    send: Send, response: Response, content: bytes, route_headers: dict[str, str], progress: Progress
+) -> Outcome:
+    tokens = prompt_tokens = answer_id = None
+    if response.status < 400 and (response.header(b"content-type") or b"").startswith(b"application/json"):
+        try:
+            answer = json.loads(content)
+            usage, answer_id = answer.get("usage"), answer.get("id")
+        except (ValueError, AttributeError, RecursionError):
+            usage = None
+        tokens, prompt_tokens = sse.completion_tokens(usage), sse.prompt_tokens(usage)
+    headers = response_headers(response.headers, route_headers)
+    headers.append((b"content-length", str(len(content)).encode()))
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    progress.streaming = True
+    await send({"type": "http.response.body", "body": content})
+    response_id = answer_id if isinstance(answer_id, str) else None
+    return Outcome(response.status, tokens=tokens, prompt_tokens=prompt_tokens, response_id=response_id)
+
+
+async def relay_stream(
+    send: Send,
+    response: Response,
+    route_headers: dict[str, str],
+    progress: Progress,
+    *,
+    drop_usage_chunk: bool,
+    max_event: int,
+    first_token: Callable[[], float],
+    broken: Callable[[TransportError], tuple[int, str | None, bytes]],
+) -> Outcome:
+    """`first_token()` records the first token and returns its time; `broken(exc)` records a
+    failure under way and returns the status and code to log and the error event to end with."""
+    watch = sse.StreamWatch(drop_usage_chunk=drop_usage_chunk, max_event=max_event)
+    headers = response_headers(response.headers, route_headers)
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    progress.streaming = True
+    status, code = response.status, None
+    try:
+        async for chunk in response.iter_raw():
+            out = watch.feed(chunk)
+            if watch.saw_content and progress.ttft is None:
+                progress.ttft = first_token()
+            if out:
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+        tail = watch.flush()
+    except (TransportError, sse.EventTooLarge) as exc:
+        status, code, tail = broken(exc if isinstance(exc, TransportError) else TooLarge(str(exc)))
+    await send({"type": "http.response.body", "body": tail, "more_body": False})
+    return Outcome(status, code, watch.completion_tokens, sse.prompt_tokens(watch.usage), watch.response_id)

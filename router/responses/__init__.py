@@ -1,0 +1,1 @@
+"""The Responses API's affinity: which backend holds a stored response."""

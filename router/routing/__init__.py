@@ -1,0 +1,1 @@
+"""Who sent a request and where it is served best: classification, clients, policy."""

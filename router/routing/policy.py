@@ -1,0 +1,149 @@
+"""Pure routing policy: a classified request and a snapshot of the pools -> a pool, with the reason.
+
+Batch work goes to the standard pool. Interactive work goes where its user is served best:
+first token within `ttft_target`, then the higher speed. The speculative pool is the default
+place; interactive work leaves it
+
+- when it would wait there: the speculative engine has requests waiting (seen on two scrapes
+  and while it has no room of its own), its KV cache is past the threshold once this request is
+  placed, or the router's own slots for it are full (`spill:spec-queueing`, `spill:spec-kv-full`,
+  `spill:spec-full`) — but only for a standard pool whose predicted first token comes sooner
+  than on the speculative one (or that does not queue at all); nor where it cannot go
+  (`spill:spec-down`, `spill:spec-draining`);
+- otherwise only for a standard pool that does not queue and whose predicted first token is
+  within the target, and only when it is the faster place:
+  - `crossover` mode: past the configured crossover concurrency for the content kind, unless
+    the standard pool carries even more (`spill:past-crossover`);
+  - `adaptive` mode: when the standard pool's learned per-user speed is higher beyond the noise
+    of both (their 95 % intervals apart; `spill:faster-on-standard`); before anything is learned
+    with confidence the pools' prior speeds stand in where configured (router.learn); without
+    them, or when the difference is within the noise, as in `crossover`.
+
+A pool queues when its engines have requests waiting, its emptiest engine's KV cache is past the
+threshold, or it has no free router slot or a non-empty router queue. So interactive work never
+moves onto a queueing pool while the speculative pool has free slots and KV headroom.
+
+`static` mode does none of this: interactive to the speculative pool, batch to the standard one
+(interactive work still leaves a speculative pool that is down or drained).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from router.config import JobClass, Routing
+from router.content import ContentKind
+from router.routing.classify import Classification
+from router.routing.learn import Estimate
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    """What the policy knows of one pool at the moment of a decision."""
+
+    speculative: bool
+    healthy: bool = True  # has a backend that takes new work
+    draining: bool = False  # ...and has none because an operator is draining them
+    # Requests on its least-loaded healthy backend: the router's own or the engine's, the larger.
+    concurrency: int = 0
+    has_room: bool = True  # a backend below max_concurrency and nobody in the router's queue
+    # Waiting inside its engines on two scrapes running, while the engine had no room of its own
+    # (fresh readings only): a queue, not a request caught between arrival and the next step.
+    engine_queued: float = 0.0
+    # KV usage of its emptiest engine once this request is sent (projected from fresh scrapes).
+    kv_usage: float | None = None
+    # Predicted wait for a first token there, seconds (None: nothing to go on).
+    ttft: float | None = None
+    # Predicted per-user tok/s for one more request, by content (adaptive mode; None: not learned).
+    speed: Mapping[ContentKind, Estimate | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    pool: str
+    job: JobClass
+    reason: str
+    content: ContentKind = "prose"
+
+
+class Policy:
+    def __init__(self, routing: Routing, *, interactive_pool: str, batch_pool: str) -> None:
+        self._config = routing
+        self._speculative = interactive_pool
+        self._standard = batch_pool
+
+    def decide(self, classification: Classification, content: ContentKind, pools: Mapping[str, PoolState]) -> Decision:
+        job = classification.job
+
+        def to(pool: str, reason: str = classification.reason) -> Decision:
+            return Decision(pool, job, reason, content)
+
+        if classification.pinned_pool is not None:
+            return to(classification.pinned_pool, "pinned")
+        if self._speculative == self._standard:
+            return to(self._standard)
+
+        spec, std = pools[self._speculative], pools[self._standard]
+        if job == "batch":
+            standard_unavailable = not std.healthy or not std.has_room
+            spec_idle = self._waits(spec) is None and spec.concurrency < self._config.crossover[content]
+            if standard_unavailable and spec_idle and self._config.batch_may_use_speculative:
+                return to(self._speculative, "borrow:standard-unavailable")
+            return to(self._standard)
+
+        unavailable = self._unavailable(spec)
+        standard_open = std.healthy and std.has_room
+        if unavailable is not None:
+            return to(self._standard, unavailable) if standard_open else to(self._speculative)
+        if self._config.mode == "static" or not standard_open:
+            return to(self._speculative)
+        waits = self._waits(spec)
+        if waits is not None:
+            # Spill only to where the first token comes sooner.
+            if self._waits(std) is None or _sooner(std.ttft, spec.ttft):
+                return to(self._standard, waits)
+            return to(self._speculative)
+        # The speculative pool has room: leave it only for a standard pool that neither queues
+        # nor keeps its first tokens past the target, and only for a faster place.
+        if self._waits(std) is not None or (std.ttft is not None and std.ttft > self._config.ttft_target):
+            return to(self._speculative)
+        spec_speed, std_speed = spec.speed.get(content), std.speed.get(content)
+        if self._config.mode == "adaptive" and spec_speed is not None and std_speed is not None:
+            if std_speed.low > spec_speed.high:
+                return to(self._standard, "spill:faster-on-standard")
+            if spec_speed.low > std_speed.high:
+                return to(self._speculative)
+            # Within the noise of what was learned: the configured crossover decides.
+        # Past the crossover the standard pool is faster at the same load, and the more so the
+        # fewer it serves; with more on it than on the speculative pool, it is not.
+        if spec.concurrency + 1 > self._config.crossover[content] and std.concurrency <= spec.concurrency:
+            return to(self._standard, "spill:past-crossover")
+        return to(self._speculative)
+
+    @staticmethod
+    def _unavailable(spec: PoolState) -> str | None:
+        """Why the speculative pool takes no new work at all, or None."""
+        if spec.draining:
+            return "spill:spec-draining"
+        if not spec.healthy:
+            return "spill:spec-down"
+        return None
+
+    def _waits(self, state: PoolState) -> str | None:
+        """Why a request sent to this pool now would wait for its first token, or None."""
+        unavailable = self._unavailable(state)
+        if unavailable is not None:
+            return unavailable
+        if state.engine_queued > 0:
+            return "spill:spec-queueing"
+        if state.kv_usage is not None and state.kv_usage >= self._config.kv_threshold:
+            return "spill:spec-kv-full"
+        if not state.has_room:
+            return "spill:spec-full"
+        return None
+
+
+def _sooner(candidate: float | None, current: float | None) -> bool:
+    """Whether a predicted first token comes sooner (unknown: not sooner)."""
+    return candidate is not None and current is not None and candidate < current

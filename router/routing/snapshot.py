@@ -1,0 +1,116 @@
+"""The policy's view of the pools at one moment: live state in, `PoolState` per pool out.
+
+A function of the pools, the learned speeds and `now`; the thresholds come from the request's
+settings (router.plan). It reads the pools but changes nothing.
+"""
+
+from __future__ import annotations
+
+from router.backends.pools import Backend, Pool, Pools
+from router.routing.learn import Predictions, SpeedModel
+from router.routing.policy import PoolState
+
+# The duration assumed of a request while no pool has measured one, for the prediction.
+UNMEASURED_DURATION = 10.0
+
+
+def snapshot(
+    pools: Pools,
+    speeds: SpeedModel,
+    *,
+    now: float,
+    stale_after: float,
+    kv_threshold: float,
+    acceptance_max_age: float,
+    tokens: int | None = None,
+) -> dict[str, PoolState]:
+    """The live state of every pool, as the policy sees it for a request of `tokens` (its length
+    at its end, router.content; None: not known)."""
+    # A pool that has measured no request yet takes the mean of those that have: the same model
+    # and the same requests. An assumed constant would make it look many times slower or faster
+    # than one that has, and decide the burst that arrives before it has finished one.
+    measured = [pool.mean_duration for pool in pools if pool.mean_duration is not None]
+    unmeasured = sum(measured) / len(measured) if measured else UNMEASURED_DURATION
+    states = {}
+    for pool in pools:
+        accepting = [b for b in pool.backends if b.accepting]
+        if not accepting:
+            draining = any(b.healthy and b.draining for b in pool.backends)
+            states[pool.name] = PoolState(pool.speculative, healthy=False, draining=draining)
+            continue
+        projected = [kv for b in accepting if (kv := b.kv_projected(now, stale_after, tokens)) is not None]
+        # Requests waiting inside an engine count as a queue only on two scrapes running and
+        # while the engine shows no room of its own: one noisy reading moves nobody.
+        queued = sum(
+            b.engine.reading.queued or 0
+            for b in accepting
+            if b.engine.reading.fresh(now, stale_after)
+            and not b.has_engine_room(now, stale_after, kv_threshold, tokens)
+        )
+        load = {b.name: b.concurrency(now, stale_after) for b in accepting}
+        best = min(accepting, key=lambda b: (load[b.name] / b.max_concurrency, b.name))
+        concurrency = load[best.name]
+        gain = best.engine.accept_length(now, acceptance_max_age)
+        ttft = min(
+            predicted_ttft(
+                b,
+                pool,
+                now=now,
+                kv_threshold=kv_threshold,
+                stale_after=stale_after,
+                tokens=tokens,
+                unmeasured=unmeasured,
+            )
+            for b in accepting
+        )
+        states[pool.name] = PoolState(
+            speculative=pool.speculative,
+            concurrency=concurrency,
+            has_room=not pool.queued() and any(b.has_room for b in accepting),
+            engine_queued=queued,
+            kv_usage=min(projected, default=None),  # the emptiest backend is where it would go
+            ttft=ttft,
+            speed=Predictions(speeds, best.name, concurrency + 1, gain=gain, fallback=not pool.speculative),
+        )
+    return states
+
+
+def predicted_ttft(
+    backend: Backend,
+    pool: Pool,
+    *,
+    now: float,
+    kv_threshold: float,
+    stale_after: float,
+    tokens: int | None = None,
+    unmeasured: float = UNMEASURED_DURATION,
+) -> float:
+    """The first-token wait of one more request on `backend`, predicted.
+
+    The recent first tokens (median of the last few) and the oldest stream still waiting for
+    one are what it takes now; if the request would wait for a slot (the engine has requests
+    waiting, no KV headroom for it once what this router sent since the reading is counted, no
+    free slot, or the router's queue is not empty), one running request must finish per request
+    ahead of it, at the pool's mean request duration (`unmeasured` until it has one) over the
+    requests running. Ahead of it: the engine's waiting requests, this router's requests
+    projected past the KV cache (a burst faster than a scrape, router.engines) and the router's
+    queue.
+    """
+    first_tokens = backend.first_tokens
+    recent = sorted(list(first_tokens.recent)[-8:])
+    base = max(recent[len(recent) // 2] if recent else 0.0, first_tokens.oldest_wait(now))
+    reading = backend.engine.reading
+    fresh = reading.fresh(now, stale_after)
+    waiting = (reading.waiting or 0) if fresh else 0
+    queued = pool.queued()
+    slots_full = backend.in_flight >= backend.max_concurrency
+    projected = backend.kv_projected(now, stale_after, tokens)  # past the threshold whenever any overflow
+    no_room = (fresh and not backend.has_engine_room(now, stale_after, kv_threshold, tokens)) or (
+        projected is not None and projected >= kv_threshold
+    )
+    if not (waiting or queued or slots_full or no_room):
+        return base
+    overflow = backend.overflow(now, stale_after, kv_threshold, tokens)
+    running = max(1.0, float(backend.in_flight - overflow), (reading.running or 0.0) if fresh else 0.0)
+    duration = pool.mean_duration if pool.mean_duration is not None else unmeasured
+    return base + (waiting + overflow + queued + 1) * duration / running

@@ -1,0 +1,1 @@
+"""How the router listens and runs as a server process."""

@@ -1,0 +1,146 @@
+"""Each client's requests in flight, and the fading memory of its recent peak."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from router.clock import ManualClock
+from router.config import Classify
+from router.routing.clients import Clients
+
+
+def _clients(clock: ManualClock, **config: Any) -> Clients:
+    clients = Clients(clock=clock)
+    clients.configure(Classify(**config))
+    return clients
+
+
+def test_in_flight_counts_and_forgets_idle_clients() -> None:
+    clock = ManualClock()
+    clients = _clients(clock, client_memory_seconds=0)
+    clients.start("a")
+    clients.start("a")
+    clients.finish("a")
+    assert clients["a"] == 1
+    clients.finish("a")
+    assert clients["a"] == 0
+    clock.advance(1)
+    assert clients.load("a") == 0  # without memory
+
+
+def test_a_batch_client_is_remembered_with_decay() -> None:
+    clock = ManualClock()
+    clients = _clients(clock, client_memory_seconds=10)
+    for _ in range(100):
+        clients.start("etl")
+    for _ in range(100):
+        clients.finish("etl")
+    assert clients["etl"] == 0
+    assert clients.load("etl") == pytest.approx(100)
+    clock.advance(10)
+    assert clients.load("etl") == pytest.approx(50)  # halved every 10 s
+    clock.advance(60)
+    assert clients.load("etl") < 1
+    # A new burst that beats the faded peak becomes the new peak.
+    for _ in range(3):
+        clients.start("etl")
+    assert clients.load("etl") == 3
+
+
+def test_memory_is_bounded() -> None:
+    clock = ManualClock()
+    clients = _clients(clock, client_memory_seconds=1)
+    for number in range(Clients._PURGE_AT + 5):
+        clients.start(f"c{number}")
+        clients.finish(f"c{number}")
+    clock.advance(100)
+    clients.start("late")  # everyone before has faded: purged
+    assert len(clients._peaks) <= 6
+
+
+@pytest.mark.anyio
+async def test_a_new_clients_burst_is_held_until_it_shows_itself() -> None:
+    import asyncio
+
+    clients = _clients(ManualClock(), client_memory_seconds=0, burst_hold_seconds=30.0, batch_inflight_threshold=4)
+    seen: list[float] = []
+
+    async def request() -> None:
+        new = clients.start("etl")
+        await clients.settle("etl", new=new)
+        seen.append(clients.load("etl") - 1)  # what the classifier would see: the others
+
+    tasks = [asyncio.create_task(request()) for _ in range(6)]
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)  # released by the burst, not the 30 s hold
+    assert min(seen) >= 4  # every one of them, the first included, sees a batch job
+
+
+@pytest.mark.anyio
+async def test_a_client_not_seen_lately_is_held_however_fine_the_clock() -> None:
+    """With the memory on, a new client's first request is held even on a clock that has not
+    moved since it arrived (a coarse one, or a test's); it was not: its own start counted as a
+    peak of exactly 1, which read as seen lately. One seen lately is not held."""
+    import asyncio
+
+    clients = _clients(ManualClock(), client_memory_seconds=60, burst_hold_seconds=30.0, batch_inflight_threshold=4)
+    held = asyncio.create_task(clients.settle("new", new=clients.start("new")))
+    await asyncio.sleep(0)
+    assert not held.done()
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    for _ in range(3):
+        clients.start("etl")
+    for _ in range(3):
+        clients.finish("etl")
+    settle = clients.settle("etl", new=clients.start("etl"))  # a moment after a burst of three
+    with pytest.raises(StopIteration):
+        settle.send(None)  # done at its first step: it never waited
+
+
+@pytest.mark.anyio
+async def test_a_lone_first_request_waits_only_the_hold() -> None:
+    import asyncio
+    import time
+
+    clients = _clients(ManualClock(), client_memory_seconds=0, burst_hold_seconds=0.05, batch_inflight_threshold=4)
+    new = clients.start("dev")
+    started = time.monotonic()
+    await asyncio.wait_for(clients.settle("dev", new=new), 10)  # the hold ends by itself
+    assert time.monotonic() - started >= 0.05
+    settle = clients.settle("dev", new=clients.start("dev"))  # a second request while the first runs: no hold
+    with pytest.raises(StopIteration):
+        settle.send(None)  # done at its first step: it never waited
+
+
+@pytest.mark.anyio
+async def test_a_user_seen_lately_with_one_request_at_a_time_is_not_held_again() -> None:
+    """Only a client not seen lately is held: an interactive user sending one request at a time
+    waits the hold once, not on every request (its peak of 1 read as never seen, so each of its
+    requests waited the 20 ms hold before its first token)."""
+    import asyncio
+
+    clock = ManualClock()
+    clients = _clients(clock, client_memory_seconds=60, burst_hold_seconds=30.0, batch_inflight_threshold=4)
+    first = asyncio.create_task(clients.settle("dev", new=clients.start("dev")))
+    await asyncio.sleep(0)
+    assert not first.done()  # new: held
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    clients.finish("dev")
+    for _ in range(3):  # its next requests, one at a time, seconds apart
+        clock.advance(5)
+        settle = clients.settle("dev", new=clients.start("dev"))
+        with pytest.raises(StopIteration):
+            settle.send(None)  # done at its first step: it never waited
+        clients.finish("dev")
+    clock.advance(5 * 60)  # faded: a client not seen lately again
+    again = asyncio.create_task(clients.settle("dev", new=clients.start("dev")))
+    await asyncio.sleep(0)
+    assert not again.done()
+    again.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await again
