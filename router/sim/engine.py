@@ -4,9 +4,12 @@ Each step, in the order vLLM's scheduler works:
 1. Admit waiting requests in arrival order while there is a sequence slot and their whole
    KV reservation (prompt + max tokens + the profile's overhead) fits. The first that does
    not fit blocks the ones behind it (FIFO), which is what makes the note's fast setup stall
-   at 23 requests.
+   at 23 requests. An admitted request starts from the leading blocks of its prompt that the
+   prefix cache holds (router.sim.cache); cached blocks nobody holds fill the free KV space and
+   are evicted as reservations take it.
 2. Every decoding sequence takes its tokens for the step (k+1 verified with speculation, else 1);
-   what is left of the step's token budget prefills admitted prompts, in chunks.
+   what is left of the step's token budget prefills the uncached part of admitted prompts, in
+   chunks.
 3. The step lasts as long as the profile's cost model says for that work.
 4. Decoding sequences gain their tokens (with speculation: the accepted guesses plus one); a
    sequence whose prefill completed gains its first token. Finished sequences free their KV.
@@ -21,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from router.content import ContentKind
+from router.sim.cache import PrefixCache
 from router.sim.profile import Profile
 
 
@@ -32,6 +36,9 @@ class SimRequest:
     target_tokens: int  # where it stops: max_tokens, or earlier at its natural end
     kind: ContentKind
     arrival: float = 0.0
+    blocks: tuple[bytes, ...] = ()  # the prompt's full blocks, hashed
+    cached: int = 0  # prompt tokens found in the prefix cache at admission
+    held: int = 0  # leading blocks this request holds in the cache
     prefilled: int = 0
     generated: int = 0
     first_token_at: float | None = None
@@ -66,6 +73,8 @@ class Counters:
     spec_accepted_tokens: int = 0
     finished: int = 0
     aborted: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of them, found cached
 
 
 class Engine:
@@ -77,6 +86,7 @@ class Engine:
         self.running: list[SimRequest] = []
         self.reserved = 0
         self.counters = Counters()
+        self.cache = PrefixCache(profile.block_size) if profile.prefix_caching else None
         spec = profile.speculation
         self._k = spec.num_tokens if spec else 0
 
@@ -91,12 +101,13 @@ class Engine:
         kind: ContentKind,
         ignore_eos: bool = False,
         min_tokens: int = 0,
+        blocks: tuple[bytes, ...] = (),
     ) -> SimRequest:
         limit = max(1, min(max_tokens or self.profile.default_max_tokens, self.profile.max_model_len - prompt_tokens))
         rng = random.Random(zlib.crc32(f"{self.seed}:{request_id}".encode()))
         natural = rng.randint(96, 768)  # where a greedy answer would end by itself
         target = limit if ignore_eos else max(min(natural, limit), min(min_tokens, limit))
-        request = SimRequest(request_id, prompt_tokens, limit, target, kind, arrival=self.now, rng=rng)
+        request = SimRequest(request_id, prompt_tokens, limit, target, kind, arrival=self.now, blocks=blocks, rng=rng)
         self.waiting.append(request)
         return request
 
@@ -107,8 +118,7 @@ class Engine:
         request.aborted = True
         self.counters.aborted += 1
         if request in self.running:
-            self.running.remove(request)
-            self.reserved -= self._reservation(request)
+            self._free(request)
         else:
             self.waiting.remove(request)
 
@@ -132,17 +142,22 @@ class Engine:
         per_sequence = self._k + 1
         budget -= per_sequence * len(decoding)
         prefill_tokens = starting = 0
+        attention = 0.0  # prefilled tokens × the context each attends to
         completing: list[SimRequest] = []
         for request in self.running:
             if request.decoding or budget <= 0:
                 continue
-            starting += request.prefilled == 0
+            starting += request.prefilled == request.cached
             chunk = min(request.prompt_tokens - request.prefilled, budget)
+            attention += chunk * (request.prefilled + chunk / 2)
             request.prefilled += chunk
             budget -= chunk
             prefill_tokens += chunk
             if request.decoding:
                 completing.append(request)
+                if self.cache is not None:  # its blocks are computed: cached from now on
+                    self.cache.hold(request.blocks[request.held :])
+                    request.held = len(request.blocks)
 
         accepted_total = 0
         gains: list[tuple[SimRequest, int]] = []
@@ -151,6 +166,7 @@ class Engine:
             accepted_total += accepted
             gains.append((request, accepted + 1))
         self.now += self._duration(decoding, prefill_tokens, starting, accepted_total)
+        self.now += self.profile.step.prefill_context_s * attention
         self.counters.prompt_tokens += prefill_tokens
 
         emissions = []
@@ -171,6 +187,24 @@ class Engine:
             self.waiting.popleft()
             self.reserved += need
             self.running.append(request)
+            if self.cache is not None:
+                self._look_up(request)
+                self.cache.fit(capacity - self.reserved)
+
+    def _look_up(self, request: SimRequest) -> None:
+        assert self.cache is not None
+        request.held = self.cache.hit_blocks(request.blocks, request.prompt_tokens)
+        self.cache.hold(request.blocks[: request.held])
+        request.cached = request.prefilled = request.held * self.cache.block_size
+        self.counters.prefix_queries += request.prompt_tokens
+        self.counters.prefix_hits += request.cached
+        self.counters.prompt_tokens += request.cached  # vLLM counts a prompt's cached tokens too
+
+    def _free(self, request: SimRequest) -> None:
+        self.running.remove(request)
+        self.reserved -= self._reservation(request)
+        if self.cache is not None:
+            self.cache.release(request.blocks[: request.held])
 
     def _reservation(self, request: SimRequest) -> int:
         return request.reservation + self.profile.kv_overhead_tokens
@@ -216,7 +250,6 @@ class Engine:
         finished = request.generated >= request.target_tokens
         if finished:
             request.finished_at = self.now
-            self.running.remove(request)
-            self.reserved -= self._reservation(request)
+            self._free(request)
             self.counters.finished += 1
         return Emission(request, gained, finished)

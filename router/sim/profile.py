@@ -31,7 +31,10 @@ class StepCost(_Data):
     token_s: float = Field(ge=0, description="per token decoded or verified in the step")
     sequence_s: float = Field(ge=0, description="per running sequence in the step")
     context_s: float = Field(ge=0, description="per token of context of each running sequence")
-    prefill_token_s: float = Field(ge=0, description="per prompt token prefilled in the step")
+    prefill_token_s: float = Field(ge=0, description="per prompt token prefilled (computed, not cached) in the step")
+    prefill_context_s: float = Field(
+        default=0.0, ge=0, description="per prompt token prefilled and token of context before it (attention)"
+    )
     prefill_request_s: float = Field(default=0.0, ge=0, description="per request whose prefill starts in the step")
 
 
@@ -54,6 +57,8 @@ class Profile(_Data):
     kv_overhead_tokens: int = Field(default=0, ge=0, description="KV reserved per request beyond prompt+answer")
     default_max_tokens: int = Field(default=2048, ge=1)
     max_model_len: int = Field(default=131072, ge=1)
+    block_size: int = Field(default=16, ge=1, le=4096, description="tokens per KV block, the prefix cache's unit")
+    prefix_caching: bool = Field(default=True, description="keep prompt blocks cached in free KV space, as vLLM's APC")
     embedding_size: int = Field(default=1024, ge=1, le=65536, description="length of `/v1/embeddings` vectors")
     step: StepCost
     speculation: Speculation | None = None

@@ -16,7 +16,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from router.content import ContentKind, detect_kind, request_text
-from router.prompts import chat_prompt_tokens, count_tokens
+from router.sim import cache
 from router.sim.outputs import ToolCall, Unsupported, choose_tool, json_answer
 from router.sim.profile import Profile
 
@@ -60,6 +60,7 @@ def not_supported(what: str, *, param: str | None = None) -> EngineError:
 class Params:
     chat: bool
     prompts: tuple[int, ...]  # the prompt tokens of each prompt (completions take several)
+    blocks: tuple[tuple[bytes, ...], ...]  # each prompt's full blocks, hashed (router.sim.cache)
     kind: ContentKind
     n: int
     max_tokens: int | None
@@ -102,14 +103,17 @@ def parse(raw: bytes, profile: Profile, *, chat: bool) -> Params:
     modalities = body.get("modalities")
     if isinstance(modalities, list) and "audio" in modalities:
         raise not_supported("audio output", param="modalities")
-    prompts: tuple[int, ...]
+    tokens: tuple[list[str], ...]
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise EngineError("`messages` must be a non-empty list.", param="messages")
-        prompts = (chat_prompt_tokens([request_text({"messages": [m]}) for m in messages]),)
+        tokens = (cache.chat_tokens(messages),)
     else:
-        prompts = _completion_prompts(body.get("prompt"))
+        tokens = _completion_prompts(body.get("prompt"))
+    prompts = tuple(len(t) for t in tokens)
+    size = profile.block_size
+    blocks = tuple(cache.block_hashes(t, size) if profile.prefix_caching else () for t in tokens)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise EngineError("max_tokens must be at least 1.", param="max_tokens")
@@ -139,6 +143,7 @@ def parse(raw: bytes, profile: Profile, *, chat: bool) -> Params:
     return Params(
         chat=chat,
         prompts=prompts,
+        blocks=blocks,
         kind=detect_kind(text),
         n=n,
         max_tokens=max_tokens,
@@ -160,17 +165,18 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _completion_prompts(prompt: Any) -> tuple[int, ...]:
-    """Prompt tokens of each prompt: a string, a list of strings, token ids, or lists of them."""
+def _completion_prompts(prompt: Any) -> tuple[list[str], ...]:
+    """The tokens of each prompt: a string (after a BOS token), a list of strings, token ids, or
+    lists of them."""
     if isinstance(prompt, str):
-        return (count_tokens(prompt) + 1,)
+        return (["<s>", *cache.text_tokens(prompt)],)
     if isinstance(prompt, list) and prompt:
         if all(_is_int(token) for token in prompt):
-            return (len(prompt),)
+            return ([str(t) for t in prompt],)
         if all(isinstance(p, str) for p in prompt):
-            return tuple(count_tokens(p) + 1 for p in prompt)
+            return tuple(["<s>", *cache.text_tokens(p)] for p in prompt)
         if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
-            return tuple(len(p) for p in prompt)
+            return tuple([str(t) for t in p] for p in prompt)
     raise EngineError("`prompt` must be a string, a list of strings, or token ids.", param="prompt")
 
 

@@ -115,6 +115,7 @@ class Reply:
                 min_tokens=params.min_tokens,
                 index=index,
                 updates=updates,
+                blocks=params.blocks[index // params.n],
             )
             if source is None:
                 source = text_tokens(params.kind, random.Random(f"{seed}:{generation.request.id}"))

@@ -60,6 +60,7 @@ class EngineRunner:
         min_tokens: int,
         index: int = 0,
         updates: asyncio.Queue[Update] | None = None,
+        blocks: tuple[bytes, ...] = (),
     ) -> Generation:
         if not self.engine.busy:
             # An idle engine's clock catches up with the wall clock before the request arrives.
@@ -71,6 +72,7 @@ class EngineRunner:
             kind=kind,
             ignore_eos=ignore_eos,
             min_tokens=min_tokens,
+            blocks=blocks,
         )
         generation = Generation(request, index, asyncio.Queue() if updates is None else updates)
         self._generations[request] = generation

@@ -27,6 +27,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.sim import embed, protocol
+from router.sim.engine import Counters
 from router.sim.profile import Profile
 from router.sim.protocol import EngineError
 from router.sim.reply import Reply
@@ -224,6 +225,7 @@ class _EngineStats(Collector):
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(engine.waiting))
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.kv_usage)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", counters.prompt_tokens)
+        yield from self._prefix_cache(counters)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", counters.generation_tokens)
         yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", counters.spec_drafts)
         yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", counters.spec_draft_tokens)
@@ -245,13 +247,36 @@ class _EngineStats(Collector):
             "specroute_sim_lag_seconds", "How far the simulation runs behind its time scale.", value=self._runner.lag
         )
 
+    def _prefix_cache(self, counters: Counters) -> Iterator[Metric]:
+        """vLLM's prefix-cache counters: tokens looked up and found for new requests, and the
+        prompt tokens by where they came from (this engine has no external KV source)."""
+        model = [self._model]
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             counters.prefix_queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             counters.prefix_hits),
+            ("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+             counters.prefix_hits),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(model, value)
+            yield family
+        by_source = CounterMetricFamily(
+            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", labels=["model_name", "source"]
+        )
+        by_source.add_metric([*model, "local_compute"], counters.prompt_tokens - counters.prefix_hits)
+        by_source.add_metric([*model, "local_cache_hit"], counters.prefix_hits)
+        by_source.add_metric([*model, "external_kv_transfer"], 0)
+        yield by_source
+
     def _cache_config(self) -> Metric:
         """vLLM's `cache_config_info`: the KV cache's size, and how many requests of
         `max_model_len` it holds. The simulated engine reserves a request's prompt, its answer and
         the profile's overhead, so it holds fewer than its size over that length; with the length
         stated too, the router reads the overhead from the difference (router.engines)."""
         profile = self._runner.engine.profile
-        block = 16
+        block = profile.block_size
         holds = profile.kv_cache_tokens / (profile.kv_overhead_tokens + profile.max_model_len)
         labels = {
             "block_size": str(block),
@@ -259,6 +284,7 @@ class _EngineStats(Collector):
             "kv_cache_size_tokens": str(profile.kv_cache_tokens),
             "max_model_len": str(profile.max_model_len),
             "kv_cache_max_concurrency": f"{holds:.4f}",
+            "enable_prefix_caching": str(profile.prefix_caching),
         }
         family = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(labels)

