@@ -1,59 +1,14 @@
-"""How the router listens: uvicorn's settings, built in one place, and the connection protocol
-that holds clients to the limits before a request reaches the app.
-
-uvicorn's httptools protocol (the fast one, which the router runs) has none of these limits:
-llhttp and httptools have no cap on the size of a request head or its number of fields
-(httptools even joins the pieces of one header in memory until it ends), uvicorn's
-`h11_max_incomplete_event_size` applies to its h11 protocol only, and nothing times out a
-connection that sends no request, or sends its head one byte a second. uvicorn's
-`limit_concurrency` answers 503 only once a head has arrived, in plain text, and keeps idle
-connections. So `ClientProtocol`, a small subclass of uvicorn's `HttpToolsProtocol`, counts and
-times the head itself, refuses connections past the cap at once, and aborts a connection whose
-client leaves the router's data untaken (the client write timeout). Each refusal is answered
-in OpenAI's error shape, then the connection is closed.
-"""
+"""How the router listens: uvicorn's settings, built in one place (`uvicorn_config`), with the
+connection protocol that holds clients to the limits (router.server.uvicorn_private)."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from dataclasses import dataclass
 from typing import Any
 
-import httptools
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router.config import Settings
-from router.errors import BadRequest, HeadersTooLarge, NoBackendAvailable, RequestTimeout, RouterError
-from router.replies import error_response
-
-logger = logging.getLogger("specroute")
-
-# After answering a refusal, the client may still be sending (the rest of a huge head, a body):
-# closing a socket with unread data makes the kernel reset the connection, which can destroy the
-# answer before the client reads it. So, like nginx's lingering close, the router stops writing,
-# reads and drops for at most this long, and then closes.
-_LINGER_SECONDS = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class ClientLimits:
-    head_bytes: int
-    head_fields: int
-    head_seconds: float  # to receive a request's head, or a first byte on a new connection
-    write_seconds: float  # that a client may leave the router's data untaken
-    max_connections: int
-
-    @classmethod
-    def of(cls, settings: Settings) -> ClientLimits:
-        return cls(
-            head_bytes=settings.limits.request_head_bytes,
-            head_fields=settings.limits.request_headers,
-            head_seconds=settings.timeouts.request_head,
-            write_seconds=settings.timeouts.client_write,
-            max_connections=settings.limits.max_connections,
-        )
+from router.server.uvicorn_private import ClientLimits, ClientProtocol
 
 
 def uvicorn_config(
@@ -61,7 +16,13 @@ def uvicorn_config(
 ) -> uvicorn.Config:
     """The one place where the router's settings become uvicorn's (`specroute serve`, the
     embedded simulated cluster and the tests all serve the router through it)."""
-    limits = ClientLimits.of(settings)
+    limits = ClientLimits(
+        head_bytes=settings.limits.request_head_bytes,
+        head_fields=settings.limits.request_headers,
+        head_seconds=settings.timeouts.request_head,
+        write_seconds=settings.timeouts.client_write,
+        max_connections=settings.limits.max_connections,
+    )
 
     class Protocol(ClientProtocol):
         client_limits = limits
@@ -80,192 +41,3 @@ def uvicorn_config(
         log_level=log_level,
         log_config=None,  # uvicorn's lines go through the router's own format (router.logs)
     )
-
-
-class ClientProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the client limits (`client_limits`, set by `uvicorn_config`)."""
-
-    client_limits: ClientLimits
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._write_timer: asyncio.TimerHandle | None = None
-        self._in_head = False  # between the first byte of a request and the end of its head
-        self._messages = 0  # requests begun on this connection
-        self._head_parsed = 0  # bytes of the head's target and fields, as parsed
-        self._head_received = 0  # bytes of reads that held nothing but this head (see data_received)
-        self._head_fields = 0
-        self._refusal: RouterError | None = None  # raised in a parser callback, answered after it
-        self._refused = False
-
-    # -- the connection ------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        if len(self.connections) > self.client_limits.max_connections:
-            # Refused before anything is parsed: the descriptor is back within _LINGER_SECONDS.
-            cap = self.client_limits.max_connections
-            logger.warning("refused a client connection: limits.max_connections (%d) are open", cap)
-            error = NoBackendAvailable(
-                f"the router has {cap} client connections open; try again", code="too_many_connections"
-            )
-            self._refuse(error)
-            return
-        # A connection that never sends a request is closed like a head that never ends.
-        self._arm_head_timer()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_timers()
-        super().connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        if self._refused:
-            return  # lingering after a refusal: read and dropped
-        self._unset_keepalive_if_required()
-        whole_read_was_head = self._in_head
-        messages = self._messages
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._refuse(self._refusal or BadRequest(f"invalid HTTP request: {exc}", code="invalid_request"))
-            return
-        except httptools.HttpParserUpgrade:  # not reached: upgrades are refused when their head ends
-            self._refuse(_upgrade_refused())
-            return
-        # httptools holds an unfinished header in memory and tells nothing until it ends, so a
-        # head that is still arriving is measured by the reads that held only it.
-        if whole_read_was_head and self._in_head and messages == self._messages:
-            self._head_received += len(data)
-            if self._head_received > self.client_limits.head_bytes:
-                self._refuse(self._head_too_large())
-
-    # -- the parser's callbacks ------------------------------------------------------------
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._in_head = True
-        self._messages += 1
-        self._head_parsed = self._head_received = self._head_fields = 0
-        self._arm_head_timer()
-
-    def on_url(self, url: bytes) -> None:
-        self._count_head(len(url), fields=0)
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value) + 4, fields=1)  # ": " and CRLF
-        super().on_header(name, value)
-
-    def on_headers_complete(self) -> None:
-        self._in_head = False
-        self._cancel_head_timer()
-        if self.parser.should_upgrade():
-            # llhttp hands whatever follows an upgrade request's head (a POST's body, too) to
-            # the new protocol, never to the request: answered, not half-read.
-            self._fail(_upgrade_refused())
-        super().on_headers_complete()
-
-    def _count_head(self, size: int, *, fields: int) -> None:
-        self._head_parsed += size
-        self._head_fields += fields
-        if self._head_parsed > self.client_limits.head_bytes or self._head_fields > self.client_limits.head_fields:
-            self._fail(self._head_too_large())
-
-    def _fail(self, error: RouterError) -> None:
-        """Stop the parser from a callback; `data_received` answers the error."""
-        self._refusal = error
-        raise error
-
-    def _head_too_large(self) -> RouterError:
-        limits = self.client_limits
-        return HeadersTooLarge(
-            f"the request head is over {limits.head_bytes} bytes or {limits.head_fields} header fields",
-            code="request_head_too_large",
-        )
-
-    # -- timeouts --------------------------------------------------------------------------
-
-    def _arm_head_timer(self) -> None:
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.client_limits.head_seconds, self._head_timed_out)
-
-    def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if not self._in_head:
-            self.transport.close()  # nothing was sent: closed like an idle keep-alive connection
-            return
-        seconds = self.client_limits.head_seconds
-        self._refuse(RequestTimeout(f"request head not received within {seconds:g} s", code="head_timeout"))
-
-    def pause_writing(self) -> None:
-        # The client is not taking what the router sends: it has client_write seconds to start again.
-        super().pause_writing()
-        if self._write_timer is None:
-            self._write_timer = self.loop.call_later(self.client_limits.write_seconds, self._write_timed_out)
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if self._write_timer is not None:
-            self._write_timer.cancel()
-            self._write_timer = None
-
-    def _write_timed_out(self) -> None:
-        # Abort: a close would wait for the buffered data to be sent. The request then sees its
-        # client gone (http.disconnect), exactly as if it had hung up, and its upstream request
-        # is cancelled.
-        self._write_timer = None
-        logger.info("closing a client connection: %g s without taking data", self.client_limits.write_seconds)
-        self.transport.abort()
-
-    def _cancel_timers(self) -> None:
-        self._cancel_head_timer()
-        if self._write_timer is not None:
-            self._write_timer.cancel()
-            self._write_timer = None
-
-    # -- refusals --------------------------------------------------------------------------
-
-    def _refuse(self, error: RouterError) -> None:
-        """Answer `error` (unless a response is under way on this connection) and close."""
-        # Not worth more than a debug line each: like other 4xx, a client's mistake (or attack).
-        logger.debug("refused a client request: %s %s", error.status_code, error.code)
-        self._refused = True
-        self._cancel_timers()
-        if self.transport.is_closing():
-            return
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.transport.close()  # a pipelined request: an answer now would cut into the running one
-            return
-        self.transport.write(_response_bytes(error, self.server_state.default_headers))
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-            self.loop.call_later(_LINGER_SECONDS, self.transport.close)
-        else:
-            self.transport.close()
-
-
-def _upgrade_refused() -> RouterError:
-    return BadRequest(
-        "this router does not switch protocols: send the request without Connection: upgrade",
-        code="upgrade_not_supported",
-    )
-
-
-def _response_bytes(error: RouterError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
-    """A whole HTTP/1.1 response for an error answered by the connection itself, not the app."""
-    body = bytes(error_response(error).body)
-    headers = [
-        *default_headers,
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"),
-        *((name.lower().encode(), value.encode()) for name, value in error.headers().items()),
-    ]
-    head = b"".join(name + b": " + value + b"\r\n" for name, value in headers)
-    return STATUS_LINE[error.status_code] + head + b"\r\n" + body
