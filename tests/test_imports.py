@@ -131,8 +131,10 @@ def test_decisions_do_no_io(module: str) -> None:
 
 
 # Who may hold the whole settings: `apply` maps them onto the parts (runtime, plan); the rest only
-# load them and hand them on (app, cli, demo), or read the restart-only sections at start (listener).
+# load them and hand them on (app, cli, demo), read the restart-only sections at start (listener),
+# or document them (reference).
 SETTINGS_HOLDERS = {
+    "router.reference",
     "router.config",
     "router.runtime",
     "router.request.plan",

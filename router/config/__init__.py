@@ -1,0 +1,46 @@
+"""Settings: one YAML file, overridden by `SPECROUTE_*` environment variables.
+
+Pools and backends are maps keyed by name, so names are unique by construction and an
+environment variable can reach any of them, e.g. `SPECROUTE_POOLS__FAST__SPECULATIVE=false`.
+Every field carries its description: docs/reference/settings.md is generated from them
+(`scripts/docs-reference`).
+"""
+
+from router.config.base import JobClass
+from router.config.batch import Batch, Responses
+from router.config.connections import Health, Limits, Retries, Timeouts, Tls
+from router.config.pools import Backend, Pool
+from router.config.routing import Classify, Learn, Match, Routing, Rule, Scrape
+from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown
+from router.config.settings import CONFIG_ENV, ConfigError, Settings, describe_errors, load_settings, masked
+
+__all__ = [
+    "CONFIG_ENV",
+    "Auth",
+    "Backend",
+    "Batch",
+    "Classify",
+    "ConfigError",
+    "Headers",
+    "Health",
+    "JobClass",
+    "Learn",
+    "Limits",
+    "Listen",
+    "Log",
+    "Match",
+    "MetricsConfig",
+    "Pool",
+    "Responses",
+    "Retries",
+    "Routing",
+    "Rule",
+    "Scrape",
+    "Settings",
+    "Shutdown",
+    "Timeouts",
+    "Tls",
+    "describe_errors",
+    "load_settings",
+    "masked",
+]

@@ -1,0 +1,136 @@
+"""How a request is classified, and how the router picks its pool: rules, modes, readings, learning."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr
+
+from router.config.base import JobClass, Section
+from router.content import ContentKind
+
+
+class Match(Section):
+    """What a rule matches: all given fields must match; strings are shell-style globs (`*`, `?`)."""
+
+    api_key: SecretStr | None = Field(default=None, description="The client's API key (never printed).")
+    headers: dict[str, str] = Field(default={}, description="Header names and the globs their values must match.")
+    user_agent: str | None = Field(default=None, description="The `User-Agent` header.")
+    model: str | None = Field(default=None, description="The `model` the body names.")
+    user: str | None = Field(default=None, description="The body's `user`.")
+    metadata: dict[str, str] = Field(default={}, description="Keys of the body's `metadata` and their globs.")
+
+
+class Rule(Section):
+    """A classification rule: the first that matches decides the job class."""
+
+    name: str = Field(description="Shown in `X-Route-Reason` as `rule:<name>`.")
+    job: JobClass = Field(description="The job class of a matching request.")
+    match: Match = Field(description="What the request must carry.")
+    rewrite_model: str | None = Field(
+        default=None, description="Forward the request with this model name (for an alias such as `glm-batch`)."
+    )
+
+
+class Classify(Section):
+    """How a request's job class is decided after the override headers: rules, then heuristics."""
+
+    rules: list[Rule] = Field(
+        default=[],
+        description="Rules checked in order; the first match wins. Each is `{name, job, match: {api_key, headers, "
+        "user_agent, model, user, metadata}, rewrite_model}`.",
+    )
+    batch_inflight_threshold: int = Field(
+        default=4, ge=1, description="A client with this many requests in flight (before the new one) sends batch work."
+    )
+    client_memory_seconds: float = Field(
+        default=60.0,
+        ge=0,
+        description="Seconds: half-life of the memory of a client's peak in flight, so a batch job stays one "
+        "between bursts (0: no memory).",
+    )
+    burst_hold_seconds: float = Field(
+        default=0.02,
+        ge=0,
+        description="Seconds the first requests of a client not seen lately are held (or until it has more than "
+        "`batch_inflight_threshold` here), so a batch job's first burst is recognised as one (0: off).",
+    )
+    code_hints: list[str] = Field(
+        default=[],
+        description="Extra text that marks a request as code, besides tool definitions, code fences and code-like "
+        "lines.",
+    )
+
+
+class Routing(Section):
+    """Where each job class goes, and when interactive work leaves the speculative pool."""
+
+    interactive_pool: str | None = Field(
+        default=None, description="The pool of interactive work. Unset: the first speculative pool."
+    )
+    batch_pool: str | None = Field(default=None, description="The pool of batch work. Unset: the first standard pool.")
+    mode: Literal["static", "crossover", "adaptive"] = Field(
+        default="adaptive",
+        description="`static`: interactive work to the speculative pool unless it is down or drained. `crossover`: "
+        "it spills past the configured crossover concurrency. `adaptive`: to the pool with the higher learned "
+        "per-user speed (see How routing works).",
+    )
+    crossover: dict[ContentKind, int] = Field(
+        default={"prose": 4, "code": 16},
+        description="Concurrency on a speculative backend past which it stops being the faster place, for `prose` "
+        "and `code` (both required); in `adaptive` mode, the tie-break while the learned speeds are within noise.",
+    )
+    kv_threshold: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="Share of a speculative engine's KV cache, once this request is placed, at which interactive "
+        "work spills (`spill:spec-kv-full`): the next request would wait.",
+    )
+    batch_may_use_speculative: bool = Field(
+        default=False,
+        description="Let batch work use the speculative pool's idle room when the standard pool is down or full.",
+    )
+    ttft_target: float = Field(
+        default=3.0,
+        gt=0,
+        description="Seconds: interactive work goes where its first token is predicted within this, then where it "
+        "streams fastest.",
+    )
+
+
+class Scrape(Section):
+    """How the engines' own `/metrics` are read (vLLM or SGLang names)."""
+
+    interval: float = Field(default=1.0, gt=0, description="Seconds between reads of each engine's `/metrics`.")
+    timeout: float = Field(default=0.5, gt=0, description="Seconds a read may take.")
+    stale_after: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds after which a reading is not used (the router then counts its own requests only).",
+    )
+    acceptance_max_age: float = Field(
+        default=300.0,
+        gt=0,
+        description="Seconds the last speculative acceptance measured is used: an idle engine drafts nothing, so "
+        "its newest scrapes have no figure of their own.",
+    )
+
+
+class Learn(Section):
+    """How per-user speeds are learned from finished streams, per backend and content kind."""
+
+    min_samples: int = Field(default=8, ge=1, description="Answers a learned speed point needs before it is used.")
+    max_interval: float = Field(
+        default=0.1,
+        gt=0,
+        description="...and its 95 % confidence interval must be within this share of its mean; also the interval "
+        "given to a prior.",
+    )
+    half_life: float = Field(default=600.0, gt=0, description="Seconds after which an observed answer counts half.")
+    prior_weight: float = Field(
+        default=8.0,
+        ge=0,
+        description="How many answers a pool's `prior_speed` counts as where a learned point is trusted "
+        "(0: the prior is used only where nothing is trusted).",
+    )

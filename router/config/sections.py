@@ -1,0 +1,83 @@
+"""The router's own surface: where it listens, its header names, keys, shutdown, logs and labels."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from router.config.base import Section
+
+
+class Listen(Section):
+    """Where the router listens, and which proxies may name the client."""
+
+    host: str = Field(default="127.0.0.1", description="Address the router listens on.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port the router listens on.")
+    forwarded_allow_ips: list[str] = Field(
+        default=["127.0.0.1", "::1"],
+        description="Proxies trusted to name the client in `X-Forwarded-For` (and the scheme in "
+        '`X-Forwarded-Proto`): addresses, networks (`10.0.0.0/8`) or `"*"`. Another peer\'s header is ignored '
+        "and the client is the address it came from. Set it to your load balancer's address.",
+    )
+
+
+class Headers(Section):
+    """Names of the override headers; neither is ever forwarded."""
+
+    pool: str = Field(default="X-Route-Pool", description="The header that pins a pool by name.")
+    job: str = Field(default="X-Job-Type", description="The header that declares the job: `interactive` or `batch`.")
+
+
+class Auth(Section):
+    """Keys, always read from the environment, never from the file."""
+
+    client_keys_env: str | None = Field(
+        default=None,
+        description="Environment variable with the client API keys, comma-separated. Unset: no key needed.",
+    )
+    override_keys_env: str | None = Field(
+        default=None,
+        description="Environment variable with the keys that may use the override headers. Unset: anyone.",
+    )
+    untrusted_overrides: Literal["ignore", "reject"] = Field(
+        default="ignore",
+        description="Override headers from other keys are dropped (`ignore`) or answered 403 `override_denied` "
+        "(`reject`).",
+    )
+    admin_key_env: str | None = Field(
+        default=None,
+        description="Environment variable with the admin key for `/admin/*` (drain, resume, reload). Unset: the "
+        "admin API is off (403). Client keys never open it.",
+    )
+
+
+class Shutdown(Section):
+    """What SIGTERM does: stop accepting, let running requests finish, then end the rest."""
+
+    grace_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds running requests may take to finish after SIGTERM; then open streams end with an "
+        "error event (`shutting_down`). Give the container runtime a few seconds more.",
+    )
+
+
+class Log(Section):
+    """The log's format."""
+
+    format: Literal["text", "json"] = Field(
+        default="text",
+        description="`text`: `key=value` lines; `json`: one object a line, for a log pipeline. `--log-format` "
+        "overrides it.",
+    )
+
+
+class MetricsConfig(Section):
+    """What the router's `/metrics` labels may hold."""
+
+    models: list[str] = Field(
+        default=[],
+        description="Model names counted under their own name in the `model` label besides those the backends "
+        "list (e.g. names a rule rewrites); any other name is `other`.",
+    )
