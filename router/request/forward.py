@@ -80,6 +80,14 @@ class Failure:
 
 
 @dataclass(frozen=True, slots=True)
+class _Reply:
+    """What one backend answered, before any byte reached the client."""
+
+    response: Response
+    content: bytes | None  # the whole body; None: an event stream
+
+
+@dataclass(frozen=True, slots=True)
 class _Failed:
     """One attempt that failed before any byte reached the client."""
 
@@ -87,6 +95,31 @@ class _Failed:
     reason: str  # why, for the retry counter: a transport failure's kind, or http_<status>
     retryable: bool
     response: Response | None = None  # the engine's own answer, if it gave one
+
+
+@dataclass(frozen=True, slots=True)
+class _Retry:
+    """Go again, to `pool`: the failed attempt's slot is given back."""
+
+    backend: Backend
+    reason: str
+    pool: str
+
+
+class _Route:
+    """Where one request's attempts went so far: the state the retry loop carries."""
+
+    def __init__(self, routed: Routed, pools: Pools, deadline: float) -> None:
+        self.decision = routed.decision
+        self.deadline = deadline  # no new attempt starts after it
+        # A request pinned to one backend (router.affinity) may go to no other.
+        self.tried = {b.name for b in pools.backends() if b.name != routed.backend} if routed.backend else set()
+        self.count = 0
+        self.queue_wait = 0.0
+        self.backend: Backend | None = None
+
+    def attempts(self, concurrency: int = 0) -> Attempts:
+        return Attempts(self.decision, self.backend, self.count, self.queue_wait, concurrency)
 
 
 class Forwarder:
@@ -102,63 +135,70 @@ class Forwarder:
     ) -> Answer | Failure:
         """`noted` hears of each attempt as it is sent: a request ended under way (its client
         gone) is still counted against the backend it was on."""
-        retries = plan.retries
-        decision = routed.decision
-        deadline = self._clock.now() + retries.deadline  # no new attempt starts after it
-        # A request pinned to one backend (router.affinity) may go to no other.
-        tried = {b.name for b in self._pools.backends() if b.name != routed.backend} if routed.backend else set()
-        count, queue_wait = 0, 0.0
-        backend: Backend | None = None
+        route = _Route(routed, self._pools, self._clock.now() + plan.retries.deadline)
         while True:
-            pool = self._pools.get(decision.pool)
-            if pool is None:  # removed by a reload while this request waited to be retried
-                error = NoBackendAvailable(f"pool {decision.pool!r} is no longer configured", code="pool_unavailable")
-                return Failure(Attempts(decision, backend, count, queue_wait), error)
-            queued_at = self._clock.now()
-            try:
-                # A retry goes to none tried; a pinned request waits for its one backend like any other.
-                exclude = frozenset(tried) if count else frozenset()
-                backend = await pool.acquire(decision.job, exclude=exclude, only=routed.backend)
-            except NoBackendAvailable as exc:
-                return Failure(Attempts(decision, backend, count, queue_wait), exc)
-            now = self._clock.now()
-            self._observer.queued(pool.name, decision, now - queued_at)
-            queue_wait += now - queued_at
-            count += 1
-            tried.add(backend.name)
-            if incoming.stream:
-                backend.first_tokens.waiting(id(incoming), now)  # shows in the live view while it waits
-            attempts = Attempts(decision, backend, count, queue_wait, backend.concurrency(now, plan.stale_after))
-            noted(attempts)
-            try:
-                result = await self._attempt(incoming, routed, plan, backend, retry=count > 1)
-                if isinstance(result, tuple):
-                    return Answer(attempts, backend, pool, *result)
-                # Failed before any byte reached the client: elsewhere, if anything allows it.
-                target = self._next_pool(decision, frozenset(tried), plan) if result.retryable else None
-                may_retry = (
-                    target is not None
-                    and count < retries.attempts
-                    and self._clock.now() < deadline
-                    and self._budget_allows(plan)
-                )
-                if not may_retry and result.response is not None:
-                    # No retry left: the engine's own last answer goes to the client as it is.
-                    answer = await self._whole_or_stream(incoming, plan, backend, result.response)
-                    if isinstance(answer, tuple):
-                        return Answer(attempts, backend, pool, *answer)
-                    result = answer
-            except BaseException:  # the client left, or the router is ending it
-                self._release(incoming, pool, backend)
-                raise
-            if result.response is not None:
-                await result.response.aclose()
+            step = await self._on_pool(incoming, routed, plan, route, noted)
+            if not isinstance(step, _Retry):
+                return step
+            self._observer.retried(step.backend, step.reason)
+            if step.pool != route.decision.pool:
+                route.decision = replace(route.decision, pool=step.pool, reason=f"failover:{routed.decision.pool}")
+
+    async def _on_pool(
+        self, incoming: Incoming, routed: Routed, plan: Plan, route: _Route, noted: Callable[[Attempts], None]
+    ) -> Answer | Failure | _Retry:
+        """One attempt: a slot on a backend of the route's pool, the request, and its judgement."""
+        pool = self._pools.get(route.decision.pool)
+        if pool is None:  # removed by a reload while this request waited to be retried
+            error = NoBackendAvailable(f"pool {route.decision.pool!r} is no longer configured", code="pool_unavailable")
+            return Failure(route.attempts(), error)
+        try:
+            backend = await self._acquire(incoming, routed, route, pool)
+        except NoBackendAvailable as exc:
+            return Failure(route.attempts(), exc)
+        attempts = route.attempts(backend.concurrency(self._clock.now(), plan.stale_after))
+        noted(attempts)
+        try:
+            result = await self._attempt(incoming, routed, plan, backend, retry=route.count > 1)
+            target = self._retry_target(result, route, plan) if isinstance(result, _Failed) else None
+            if isinstance(result, _Failed) and target is None and result.response is not None:
+                # No retry left: the engine's own last answer goes to the client as it is.
+                result = await self._whole_or_stream(incoming, plan, backend, result.response)
+            if isinstance(result, _Reply):
+                return Answer(attempts, backend, pool, result.response, result.content)
+        except BaseException:  # the client left, or the router is ending it
             self._release(incoming, pool, backend)
-            if not may_retry or target is None:
-                return Failure(attempts, result.error)
-            self._observer.retried(backend, result.reason)
-            if target != decision.pool:
-                decision = replace(decision, pool=target, reason=f"failover:{routed.decision.pool}")
+            raise
+        if result.response is not None:
+            await result.response.aclose()
+        self._release(incoming, pool, backend)
+        if target is None:
+            return Failure(attempts, result.error)
+        return _Retry(backend, result.reason, target)
+
+    async def _acquire(self, incoming: Incoming, routed: Routed, route: _Route, pool: Pool) -> Backend:
+        """A slot on a backend of `pool`, waiting in its queue if need be. A retry goes to none
+        tried; a pinned request waits for its one backend like any other."""
+        queued_at = self._clock.now()
+        exclude = frozenset(route.tried) if route.count else frozenset()
+        backend = await pool.acquire(route.decision.job, exclude=exclude, only=routed.backend)
+        now = self._clock.now()
+        self._observer.queued(pool.name, route.decision, now - queued_at)
+        route.queue_wait += now - queued_at
+        route.count += 1
+        route.tried.add(backend.name)
+        route.backend = backend
+        if incoming.stream:
+            backend.first_tokens.waiting(id(incoming), now)  # shows in the live view while it waits
+        return backend
+
+    def _retry_target(self, failed: _Failed, route: _Route, plan: Plan) -> str | None:
+        """Where the next attempt goes, if anything allows one: the count, the deadline, the budget."""
+        if not failed.retryable:
+            return None
+        target = self._next_pool(route.decision, frozenset(route.tried), plan)
+        allowed = route.count < plan.retries.attempts and self._clock.now() < route.deadline
+        return target if allowed and self._budget_allows(plan) else None
 
     def release(self, incoming: Incoming, answer: Answer) -> None:
         self._release(incoming, answer.pool, answer.backend)
@@ -169,16 +209,14 @@ class Forwarder:
 
     async def _attempt(
         self, incoming: Incoming, routed: Routed, plan: Plan, backend: Backend, *, retry: bool
-    ) -> tuple[Response, bytes | None] | _Failed:
+    ) -> _Reply | _Failed:
         self._retrying += retry
         try:
             return await self._send(incoming, routed, plan, backend)
         finally:
             self._retrying -= retry
 
-    async def _send(
-        self, incoming: Incoming, routed: Routed, plan: Plan, backend: Backend
-    ) -> tuple[Response, bytes | None] | _Failed:
+    async def _send(self, incoming: Incoming, routed: Routed, plan: Plan, backend: Backend) -> _Reply | _Failed:
         headers = request_headers(
             incoming.headers,
             drop=plan.override_headers,
@@ -230,16 +268,16 @@ class Forwarder:
 
     async def _whole_or_stream(
         self, incoming: Incoming, plan: Plan, backend: Backend, response: Response
-    ) -> tuple[Response, bytes | None] | _Failed:
+    ) -> _Reply | _Failed:
         """An event stream goes on as it arrives; anything else is read whole first, while a
         failure may still be tried elsewhere. What the engine answers decides, not what the body
         said: a multipart upload's `stream=true` (audio transcriptions) is never read here."""
         if (response.header(b"content-type") or b"").startswith(b"text/event-stream"):
             if not incoming.stream:  # a stream the router could not foresee: its first token from now
                 backend.first_tokens.waiting(id(incoming), self._clock.now())
-            return response, None
+            return _Reply(response, None)
         try:
-            return response, await response.read(limit=plan.response_body_bytes)
+            return _Reply(response, await response.read(limit=plan.response_body_bytes))
         except TransportError as exc:
             await response.aclose()
             return self._failed(backend, exc)
