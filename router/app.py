@@ -75,6 +75,7 @@ def create_app(
             asyncio.create_task(router.health.run()),
             asyncio.create_task(router.scraper.run()),
             asyncio.create_task(router.catalog.run()),  # the model names the metrics may use
+            asyncio.create_task(router.traffic.run()),  # the traffic record, when one is kept
         ]
         await batches.start()
         try:

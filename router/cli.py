@@ -34,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _check_config(args.file)
     if args.command == "sim":
         return _sim(args)
+    if args.command == "trace":
+        return _trace(args)
     return _serve(args)
 
 
@@ -77,6 +79,13 @@ def parser() -> argparse.ArgumentParser:
     fit.add_argument("--base", default="team", help="profile to start from (fast, team or a file)")
     fit.add_argument("--name", help="name of the new profile")
     fit.add_argument("--out", help="write the profile here (default: print it)")
+
+    trace = commands.add_parser("trace", help="the traffic record the router keeps (traffic.path)")
+    trace_actions = trace.add_subparsers(dest="trace_command", required=True)
+    export = trace_actions.add_parser("export", help="write the record as JSON lines, oldest first")
+    export.add_argument("record", nargs="?", help="the record's file (default: traffic.path of --config)")
+    export.add_argument("--config", help=f"YAML settings file (default: ${CONFIG_ENV})")
+    export.add_argument("--out", help="write here (default: standard output)")
 
     _bench_parser(commands)
     return root
@@ -168,6 +177,35 @@ def _bench(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         return _missing_tools("bench", exc)
     return run(args)
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from router.traffic import read_record
+
+    path = args.record
+    if path is None:
+        try:
+            path = load_settings(args.config).traffic.path
+        except ConfigError as exc:
+            print(f"invalid configuration\n{exc}", file=sys.stderr)
+            return 1
+        if path is None:
+            print("no traffic record: traffic.path is not set", file=sys.stderr)
+            return 1
+    if not Path(path).exists():
+        print(f"no traffic record at {path}", file=sys.stderr)
+        return 1
+    out = open(args.out, "w") if args.out else sys.stdout  # noqa: SIM115 (closed below, or stdout)
+    try:
+        count = 0
+        for entry in read_record(path):
+            out.write(json.dumps(entry.as_dict()) + "\n")
+            count += 1
+    finally:
+        if args.out:
+            out.close()
+    print(f"{count} requests", file=sys.stderr)
+    return 0
 
 
 def _check_config(path: str) -> int:

@@ -39,6 +39,7 @@ from router.responses.locate import Locator
 from router.responses.owners import Owners
 from router.routing.clients import Clients
 from router.routing.learn import SpeedModel
+from router.traffic import TrafficRecorder
 from router.transport import AiohttpTransport, tls_context
 from router.version import BuildInfo, build_info
 
@@ -100,7 +101,8 @@ class Router:
         # Its TLS context trusts nothing until `apply` gives it the configured one.
         self.transport = AiohttpTransport(connections_per_origin=1, tls=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
         self.clients = Clients(clock=self.clock)
-        observer = Observer(self.metrics, self.speeds)
+        self.traffic = TrafficRecorder(clock=self.clock)
+        observer = Observer(self.metrics, self.speeds, self.traffic)
         self.owners = ResponseOwners()  # which backend made each stored response (Responses API)
         self.locator = Locator(self.transport)  # and which holds one this router never saw made
         self.pipeline = Pipeline(
@@ -196,6 +198,7 @@ class Router:
             priors={name: pool.prior_speed for pool in settings.pools.values() for name in pool.backends},
         )
         self.owners.configure(settings.responses)
+        self.traffic.configure(settings.traffic)
         self.locator.configure(settings.responses)
         self._configured_models = frozenset(
             {rule.rewrite_model for rule in settings.classify.rules if rule.rewrite_model}

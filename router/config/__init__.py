@@ -11,7 +11,7 @@ from router.config.batch import Batch, Responses
 from router.config.connections import Health, Limits, Retries, Timeouts, Tls
 from router.config.pools import Backend, Pool
 from router.config.routing import Classify, Learn, Match, Routing, Rule, Scrape
-from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown
+from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown, Traffic
 from router.config.settings import CONFIG_ENV, ConfigError, Settings, describe_errors, load_settings, masked
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "Scrape",
     "Settings",
     "Shutdown",
+    "Traffic",
     "Timeouts",
     "Tls",
     "describe_errors",

@@ -81,3 +81,26 @@ class MetricsConfig(Section):
         description="Model names counted under their own name in the `model` label besides those the backends "
         "list (e.g. names a rule rewrites); any other name is `other`.",
     )
+
+
+class Traffic(Section):
+    """The traffic record (router.traffic): what the router served, for `specroute plan` to replay."""
+
+    path: str | None = Field(
+        default=None,
+        description="File the record is written to, one JSON line per finished request (sizes and hashes, no "
+        "prompt or answer text). Unset: no record is kept. `specroute trace export` reads it.",
+    )
+    max_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=4096,
+        description="Size at which the file is moved aside to `<path>.1` (replacing the older one): the record "
+        "never takes more than twice this on disk.",
+    )
+    buffer: int = Field(
+        default=10_000,
+        ge=1,
+        description="Entries held in memory until written; past it, entries are dropped and counted, never held "
+        "up on the request path.",
+    )
+    flush_seconds: float = Field(default=1.0, gt=0, description="How often the buffer is written to the file.")

@@ -15,7 +15,7 @@ from router.config.batch import Batch, Responses
 from router.config.connections import Health, Limits, Retries, Timeouts, Tls
 from router.config.pools import Pool
 from router.config.routing import Classify, Learn, Routing, Scrape
-from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown
+from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown, Traffic
 from router.content import CONTENT_KINDS
 
 CONFIG_ENV = "SPECROUTE_CONFIG"
@@ -42,6 +42,7 @@ class Settings(BaseSettings):
     metrics: MetricsConfig = MetricsConfig()
     batch: Batch = Batch()
     responses: Responses = Responses()
+    traffic: Traffic = Traffic()
     max_body_bytes: int = Field(
         default=4 * 1024 * 1024,
         ge=1,

@@ -3,7 +3,7 @@
 Metrics as they happen (a decision, a queue wait, an upstream failure or retry, a first token:
 a queue shows while it builds), and once a request has ended, from its `Finished` record: the
 request counters and histograms, the tokens, the speed its user saw (learned per backend),
-and the access log line.
+the access log line, and the request's entry in the traffic record (router.traffic).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from router.metrics import Children, Metrics
 from router.request.incoming import Arrival
 from router.routing.learn import SpeedModel
 from router.routing.policy import Decision
+from router.traffic import Served, TrafficRecorder, conversation_hash
 
 access_log = logging.getLogger("specroute.access")
 
@@ -40,12 +41,15 @@ class Finished:
     tokens: int | None = None
     prompt_tokens: int | None = None
     accept_length: float | None = None  # the backend's speculative gain when it ended
+    conversation: str | None = None  # its session header or the stored response it continues
+    declared: bool = False  # the client named its job type in the job header
 
 
 class Observer:
-    def __init__(self, metrics: Metrics, speeds: SpeedModel) -> None:
+    def __init__(self, metrics: Metrics, speeds: SpeedModel, traffic: TrafficRecorder) -> None:
         self._metrics = metrics
         self._speeds = speeds
+        self._traffic = traffic
         # Each metric's children by label values, resolved once (router.metrics.Children).
         self._decisions = Children(metrics.decisions)
         self._queue_wait = Children(metrics.queue_wait)
@@ -104,6 +108,8 @@ class Observer:
                     )
             if done.prompt_tokens:
                 self._prompt_tokens(pool, name, model).inc(done.prompt_tokens)
+        if self._traffic.enabled and decision is not None and done.status < 400:
+            self._traffic.add(served(done, at=self._traffic.wall(done.arrival.started)))
         if access_log.isEnabledFor(logging.INFO):
             fields = access_fields(done)
             access_log.info(logs.key_values(fields), extra={"fields": fields})
@@ -129,3 +135,22 @@ def access_fields(done: Finished) -> dict[str, str | int | None]:
         "tokens": done.tokens,
         "duration_ms": round(done.duration * 1000),
     }
+
+
+def served(done: Finished, *, at: float) -> Served:
+    """A request's entry in the traffic record: sizes and hashes, never its text."""
+    decision = done.decision
+    assert decision is not None
+    return Served(
+        at=at,
+        job=decision.job,
+        kind=decision.content,
+        prompt_tokens=done.prompt_tokens or 0,
+        answer_tokens=done.tokens or 0,
+        status=done.status,
+        client=logs.client_hash(done.client) if done.client else None,
+        conversation=conversation_hash(done.conversation) if done.conversation else None,
+        declared=done.declared,
+        ttft=done.ttft,
+        duration=done.duration,
+    )
