@@ -10,6 +10,7 @@ import hmac
 import os
 
 from router.config import Auth as AuthConfig
+from router.config import KeyGroup
 from router.errors import PermissionDenied, Unauthorized
 
 # A request the router makes to itself (a batch line) carries this key in its ASGI scope. A
@@ -74,3 +75,19 @@ class Auth:
                 f"this API key may not use the {header} header", param=header, code="override_denied"
             )
         return False
+
+
+class KeyGroups:
+    """Which group of `fairness.groups` an API key belongs to (the first that holds it)."""
+
+    def __init__(self, groups: dict[str, KeyGroup]) -> None:
+        self._keys = {name: _keys(group.keys_env) for name, group in groups.items()}
+        self._weights = {name: group.weight for name, group in groups.items()}
+
+    def of(self, key: str | None) -> str | None:
+        if key is None:
+            return None
+        return next((name for name, keys in self._keys.items() if _known(key, keys)), None)
+
+    def weight(self, group: str | None) -> float:
+        return self._weights.get(group, 1.0) if group is not None else 1.0

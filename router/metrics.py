@@ -32,6 +32,7 @@ from router.backends.pools import Pools
 from router.clock import Clock
 from router.config import Scrape
 from router.content import CONTENT_KINDS
+from router.logs import client_hash
 from router.routing.classify import JOB_CLASSES
 from router.routing.learn import SpeedModel, crossover
 from router.version import BuildInfo
@@ -179,9 +180,11 @@ class Metrics:
         self._live = _LiveState(pools, speeds, clock)
         registry.register(self._live)
 
-    def configure(self, config: Scrape) -> None:
-        """The (re)loaded `scrape` section: which engine readings are too old to show."""
+    def configure(self, config: Scrape, *, top_clients: int = 10) -> None:
+        """The (re)loaded `scrape` section: which engine readings are too old to show; and how
+        many clients of each pool to show by name (`fairness.top_clients`)."""
         self._live.config = config
+        self._live.top_clients = top_clients
 
     def model(self, name: str | None) -> str:
         """The `model` label for a requested model name: bounded, whatever the client sends."""
@@ -199,6 +202,7 @@ class _LiveState(Collector):
         self._speeds = speeds
         self._clock = clock
         self.config = Scrape()
+        self.top_clients = 10
 
     def collect(self) -> Iterable[Metric]:
         labels = ["pool", "backend"]
@@ -238,6 +242,12 @@ class _LiveState(Collector):
             "Concurrency from which this speculative backend is predicted slower than the standard pool.",
             ("content",),
         )
+        client_slots = GaugeMetricFamily(
+            "specroute_client_slots",
+            "Slots of a pool a client holds: the fairness.top_clients clients holding most, by a hash "
+            'of their identity, and the rest summed as client="others".',
+            labels=["pool", "client"],
+        )
         now = self._clock.now()
         config = self.config
         standard = [b.name for pool in self._pools if not pool.speculative for b in pool.backends]
@@ -274,6 +284,11 @@ class _LiveState(Collector):
                         family.add_metric(key, value)
             for job in JOB_CLASSES:
                 queued.add_metric([pool.name, job], pool.queued(job))
+            named, others = pool.shares(self.top_clients)
+            for client, slots in named:
+                client_slots.add_metric([pool.name, client_hash(client)], slots)
+            if others:
+                client_slots.add_metric([pool.name, "others"], others)
         yield from (
             in_flight,
             healthy,
@@ -288,4 +303,5 @@ class _LiveState(Collector):
             stale,
             learned,
             oldest_waiting,
+            client_slots,
         )

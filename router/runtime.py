@@ -178,7 +178,7 @@ class Router:
         plan = compile_plan(settings)
         changed = _differences(masked(previous), masked(settings)) if previous is not None else []
         drained = [backend for backend in self.pools.backends() if backend.draining]
-        for name in self.pools.configure(settings.pools, settings.health):
+        for name in self.pools.configure(settings.pools, settings.health, fair_share=settings.fairness.fair_share):
             self.speeds.forget(name)
         # A drained backend configured anew (another URL or pool) is a new backend, not drained.
         now = {backend.name: backend for backend in self.pools.backends()}
@@ -189,7 +189,7 @@ class Router:
         self.clients.configure(settings.classify)
         # Timeouts and limits go with each request (the plan), so they reach pooled connections too.
         self.transport.configure(connections_per_origin=_connections_per_origin(self.pools), tls=tls)
-        self.metrics.configure(settings.scrape)
+        self.metrics.configure(settings.scrape, top_clients=settings.fairness.top_clients)
         self.catalog.configure(ttl=settings.models_cache_seconds, timeout=settings.health.timeout)
         self.health.configure(settings.health)
         self.scraper.configure(settings.scrape)

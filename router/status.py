@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.backends.pools import Backend, Pools
+from router.backends.pools import Backend, Pool, Pools
 from router.content import CONTENT_KINDS
+from router.logs import client_hash
 from router.quantiles import percentile
 from router.request.plan import Plan
 from router.routing.learn import SpeedModel, crossover
@@ -29,6 +30,7 @@ def status(plan: Plan, pools: Pools, speeds: SpeedModel, *, now: float) -> dict[
                 "accepting": pool.accepting,
                 "in_flight": pool.in_flight,
                 "queued": {"interactive": pool.queued("interactive"), "batch": pool.queued("batch")},
+                "clients": _shares(pool, plan.top_clients),
                 "backends": {
                     backend.name: _backend(backend, speeds, standard if pool.speculative else None, now, plan)
                     for backend in pool.backends
@@ -36,6 +38,19 @@ def status(plan: Plan, pools: Pools, speeds: SpeedModel, *, now: float) -> dict[
             }
             for pool in pools
         },
+    }
+
+
+def _shares(pool: Pool, top: int) -> dict[str, Any]:
+    """Who holds the pool's slots: the top clients by a hash of their identity, then the rest."""
+    named, others = pool.shares(top)
+    held = sum(slots for _, slots in named) + others
+    return {
+        "fair_share": pool.fair_share,
+        "top": [
+            {"client": client_hash(client), "slots": slots, "share": round(slots / held, 4)} for client, slots in named
+        ],
+        "others": {"clients": max(0, len(pool.held) - len(named)), "slots": others},
     }
 
 

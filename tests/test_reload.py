@@ -56,6 +56,7 @@ BASE: dict[str, Any] = {
         "team": {"speculative": False, "backends": {"t1": {"url": "http://127.0.0.1:2"}}},
     },
     "classify": {"rules": [], "client_memory_seconds": 10},
+    "fairness": {"groups": {"g": {"keys_env": "SPECROUTE_TEST_GROUP_KEYS"}}},
 }
 
 
@@ -247,7 +248,12 @@ RELOADABLE: dict[str, tuple[Any, Observe | WithEngine]] = {
     "classify.batch_inflight_threshold": (2, lambda r: _classify(r, client_load=2).job),
     "classify.client_memory_seconds": (5, _remembered),
     "classify.burst_hold_seconds": (5.0, _held),
+    "classify.placeholder_keys": (["team-key"], lambda r: "team-key" in r.plan.placeholders),
     "classify.code_hints": (["frobnicate"], lambda r: content_kind({"prompt": "frobnicate it"}, r.plan.code_hints)),
+    "fairness.fair_share": (False, lambda r: r.pools["fast"].fair_share),
+    "fairness.top_clients": (3, lambda r: r.plan.top_clients),
+    "fairness.groups.*.keys_env": ("SPECROUTE_TEST_CLIENT_KEYS", lambda r: r.plan.groups.of("client-key")),
+    "fairness.groups.*.weight": (3.0, lambda r: r.plan.groups.weight("g")),
     "routing.interactive_pool": ("team", lambda r: _route(r, spec=IDLE, std=IDLE)),
     "routing.batch_pool": ("fast", lambda r: _route(r, "batch", spec=IDLE, std=IDLE)),
     "routing.mode": ("static", lambda r: _route(r, spec=PAST_CROSSOVER, std=PoolState(speculative=False))),
@@ -360,11 +366,17 @@ def test_every_setting_has_a_row() -> None:
     assert {key for key in leaves if key.startswith(NEEDS_RESTART)} == RESTART.keys()
 
 
+def _named(key: str) -> str:
+    """A row's key with its `*` named: pool `fast`, backend `f1`, key group `g`."""
+    key = key.replace("pools.*.backends.*", "pools.fast.backends.f1").replace("pools.*", "pools.fast")
+    return key.replace("fairness.groups.*", "fairness.groups.g")
+
+
 def _with(key: str, value: Any) -> dict[str, Any]:
-    """BASE with one setting changed (`*` is pool `fast`, backend `f1`)."""
+    """BASE with one setting changed (`*` named by `_named`)."""
     data: dict[str, Any] = {**BASE, "pools": {k: dict(v) for k, v in BASE["pools"].items()}}
     data["pools"]["fast"]["backends"] = {"f1": dict(BASE["pools"]["fast"]["backends"]["f1"])}
-    parts = key.replace("pools.*.backends.*", "pools.fast.backends.f1").replace("pools.*", "pools.fast").split(".")
+    parts = _named(key).split(".")
     node = data
     for part in parts[:-1]:
         node[part] = dict(node.get(part, {}))
@@ -427,7 +439,7 @@ def test_a_reload_reaches_the_part_that_uses_the_setting(
     router = _router(Settings.model_validate(_engine_at(base, url)))
     before = observe(router)
     answer = router.apply(Settings.model_validate(_engine_at(changed, url)))
-    name = key.replace("pools.*.backends.*", "pools.fast.backends.f1").replace("pools.*", "pools.fast")
+    name = _named(key)
     assert [changed for changed in answer["changed"] if changed == name or changed.startswith(name + ".")]
     assert answer["needs_restart"] == []
     assert observe(router) != before

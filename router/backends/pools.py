@@ -1,9 +1,13 @@
 """The router's slots on its backends, and each pool's bounded queue.
 
-A request takes a slot with `await pool.acquire(job)` and gives it back with `pool.release()`.
-When every healthy backend is at `max_concurrency`, it waits in the pool's queue, interactive
-requests ahead of batch ones, until a slot frees, the queue wait runs out, or it is cancelled.
-A queued request is not yet bound to a backend, so the queue belongs to the pool.
+A request takes a slot with `await pool.acquire(job, client=...)` and gives it back with
+`pool.release()`. When every healthy backend is at `max_concurrency`, it waits in the pool's
+queue, interactive requests ahead of batch ones, until a slot frees, the queue wait runs out,
+or it is cancelled. A queued request is not yet bound to a backend, so the queue belongs to the
+pool. Within a class the queue is fair (`fair_share`): a freed slot goes to the waiting request
+whose client holds the fewest of the pool's slots for its weight, the earliest first among
+equals; so a client with many requests in flight waits behind those with few. The pool counts
+slots only for clients holding or waiting for one: its memory is bounded by its slots and queue.
 
 A `Backend` is the router's slots on one engine plus its parts of other concerns, each kept
 apart: `outlier` (health and ejection, router.outlier), `engine` (what the engine says of its
@@ -13,7 +17,7 @@ load, router.engines), `first_tokens` (streams waiting for theirs, recent first-
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -122,10 +126,13 @@ class Backend:
         return self.engine.has_room(now, stale_after, kv_threshold, max_concurrency=self.max_concurrency, tokens=tokens)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class _Waiter:
     future: asyncio.Future[Backend]
     only: str | None  # the one backend it may take (router.affinity), or any
+    client: str  # who sent it (router.routing.clients.client_id)
+    weight: float  # its client's share of the slots against others' (fairness.groups)
+    order: int  # arrival order in the pool
 
 
 class Pool:
@@ -143,10 +150,10 @@ class Pool:
         self.backends = backends
         self.queue_size = queue_size
         self.queue_timeout = queue_timeout
-        self._waiters: dict[JobClass, deque[_Waiter]] = {
-            "interactive": deque(),
-            "batch": deque(),
-        }
+        self._waiters: dict[JobClass, list[_Waiter]] = {"interactive": [], "batch": []}
+        self.fair_share = True  # else first come, first served within a class
+        self.held: dict[str, int] = {}  # slots held per client, for those holding one
+        self._arrivals = itertools.count()
         self.mean_duration: float | None = None  # seconds a request takes here, a running mean (None: none yet)
 
     def queued(self, job: JobClass | None = None) -> int:
@@ -177,11 +184,18 @@ class Pool:
         )
 
     async def acquire(
-        self, job: JobClass, *, exclude: frozenset[str] = frozenset(), only: str | None = None
+        self,
+        job: JobClass,
+        *,
+        client: str = "",
+        weight: float = 1.0,
+        exclude: frozenset[str] = frozenset(),
+        only: str | None = None,
     ) -> Backend:
-        """`exclude`: backends a retry must not go back to (none free among the others: fails at
-        once). `only`: the one backend that may serve the request (router.affinity); it waits in
-        the queue for a slot there, bounded like any other, while the others keep flowing."""
+        """`client` and `weight`: who asks, for fair share. `exclude`: backends a retry must not
+        go back to (none free among the others: fails at once). `only`: the one backend that may
+        serve the request (router.affinity); it waits in the queue for a slot there, bounded like
+        any other, while the others keep flowing. Give the slot back with `release(client=...)`."""
         if not self.accepting:
             raise self._unavailable()
         if only is not None:
@@ -192,6 +206,7 @@ class Pool:
             # Pinned: a slot free on its backend is one no queued request could take (`wake`).
             backend = self._take(exclude, only)
             if backend is not None:
+                self._hold(client)
                 return backend
             if exclude:
                 raise NoBackendAvailable(
@@ -199,7 +214,7 @@ class Pool:
                     retry_after=self._retry_after(),
                     code="pool_unavailable",
                 )
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), only)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), only, client, weight, next(self._arrivals))
         queue = self._waiters[job]
         queue.append(waiter)
         # Those ahead may all wait for a full backend of their own: a slot none of them can take
@@ -219,11 +234,11 @@ class Pool:
             future = waiter.future
             if future.done() and not future.cancelled() and future.exception() is None:
                 # A slot was handed over just as we gave up: pass it on.
-                self.release(future.result())
+                self.release(future.result(), client=client)
             else:
                 future.cancel()
-                with contextlib.suppress(ValueError):  # _wake may have dropped it already
-                    self._waiters[job].remove(waiter)
+                if waiter in queue:  # `wake` may have dropped it already
+                    queue.remove(waiter)
             if isinstance(exc, TimeoutError):
                 where = f"backend {only!r} of pool {self.name!r}" if only is not None else f"pool {self.name!r}"
                 raise NoBackendAvailable(
@@ -233,8 +248,13 @@ class Pool:
                 ) from exc
             raise
 
-    def release(self, backend: Backend, *, duration: float | None = None) -> None:
+    def release(self, backend: Backend, *, client: str = "", duration: float | None = None) -> None:
         backend.in_flight -= 1
+        left = self.held.get(client, 0) - 1
+        if left > 0:
+            self.held[client] = left
+        else:
+            self.held.pop(client, None)
         if duration is not None:
             mean = self.mean_duration
             self.mean_duration = duration if mean is None else mean + _EWMA * (duration - mean)
@@ -242,32 +262,54 @@ class Pool:
 
     def wake(self) -> None:
         """Hand free slots to queued requests (after a release, or a backend turning healthy or
-        being drained or resumed); fail at once those with no backend left to wait for. Requests
-        go in order, interactive first; one pinned to a backend that is full lets those behind
-        it take another. Once a request that may go anywhere finds no slot, nobody behind it
-        gets one, but the rest of the queue is still failed or dropped as it must be."""
+        being drained or resumed); fail at once those with no backend left to wait for.
+        Interactive requests go first, then batch; within a class, in fair order (`_rank`). One
+        pinned to a backend that is full lets the others take another. Once a request that may
+        go anywhere finds no slot, nobody else gets one."""
         accepting = {b.name for b in self.backends if b.accepting}
         slots = True
         for queue in self._waiters.values():
-            full: set[str] = set()  # backends a pinned request found full: none behind gets them
-            at = 0
-            while at < len(queue):
-                waiter = queue[at]
+            waiting = []
+            for waiter in queue:
                 if waiter.future.done():
-                    del queue[at]  # cancelled while queued; its request has gone
-                elif not accepting or (waiter.only is not None and waiter.only not in accepting):
-                    del queue[at]
+                    continue  # cancelled while queued; its request has gone
+                if not accepting or (waiter.only is not None and waiter.only not in accepting):
                     failure = self._unavailable() if waiter.only is None else self._unavailable_owner(waiter.only)
                     waiter.future.set_exception(failure)
-                elif slots and waiter.only not in full and (backend := self._take(only=waiter.only)) is not None:
-                    del queue[at]
-                    waiter.future.set_result(backend)
-                else:
+                    continue
+                waiting.append(waiter)
+            queue[:] = waiting
+            full: set[str] = set()  # backends a pinned request found full: none after it gets them
+            while slots:
+                candidates = [w for w in queue if w.only is None or w.only not in full]
+                if not candidates:
+                    break
+                waiter = min(candidates, key=self._rank)
+                backend = self._take(only=waiter.only)
+                if backend is None:
                     if waiter.only is None:
                         slots = False  # no slot anywhere
                     else:
                         full.add(waiter.only)
-                    at += 1
+                    continue
+                queue.remove(waiter)
+                self._hold(waiter.client)
+                waiter.future.set_result(backend)
+
+    def _rank(self, waiter: _Waiter) -> tuple[float, int]:
+        """Fair share: the fewest slots held for the client's weight first, then arrival."""
+        if not self.fair_share:
+            return (0.0, waiter.order)
+        return (self.held.get(waiter.client, 0) / waiter.weight, waiter.order)
+
+    def _hold(self, client: str) -> None:
+        self.held[client] = self.held.get(client, 0) + 1
+
+    def shares(self, top: int) -> tuple[list[tuple[str, int]], int]:
+        """The `top` clients by slots held here, most first, and the slots all others hold:
+        who has the pool under contention, in a bounded number of rows."""
+        ranked = sorted(self.held.items(), key=lambda item: -item[1])
+        return ranked[:top], sum(slots for _, slots in ranked[top:])
 
     def has_other(self, exclude: frozenset[str]) -> bool:
         """Whether a healthy backend not in `exclude` has room now (for a retry)."""
@@ -304,7 +346,9 @@ class Pools:
     def __init__(self) -> None:
         self._pools: dict[str, Pool] = {}
 
-    def configure(self, configs: Mapping[str, PoolConfig], health: HealthConfig) -> set[str]:
+    def configure(
+        self, configs: Mapping[str, PoolConfig], health: HealthConfig, *, fair_share: bool = True
+    ) -> set[str]:
         """Take the (re)loaded `pools` and `health` sections. A backend still configured in the same pool with the
         same URL is kept, with its requests in flight, health and readings; others are new.
         Requests running on a backend or pool that is gone finish there; its queue is failed.
@@ -332,7 +376,9 @@ class Pools:
                     queue_size=config.queue_size,
                     queue_timeout=config.queue_timeout,
                 )
+                pools[name].fair_share = fair_share
             else:
+                old.fair_share = fair_share
                 old.speculative, old.backends = config.speculative, backends
                 old.queue_size, old.queue_timeout = config.queue_size, config.queue_timeout
                 pools[name] = old

@@ -9,21 +9,25 @@ Every field carries its description: docs/reference/settings.md is generated fro
 from router.config.base import JobClass
 from router.config.batch import Batch, Responses
 from router.config.connections import Health, Limits, Retries, Timeouts, Tls
+from router.config.fairness import Fairness, KeyGroup
 from router.config.pools import Backend, Pool
-from router.config.routing import Classify, Learn, Match, Routing, Rule, Scrape
+from router.config.routing import PLACEHOLDER_KEYS, Classify, Learn, Match, Routing, Rule, Scrape
 from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown, Traffic
 from router.config.settings import CONFIG_ENV, ConfigError, Settings, describe_errors, load_settings, masked
 
 __all__ = [
     "CONFIG_ENV",
+    "PLACEHOLDER_KEYS",
     "Auth",
     "Backend",
     "Batch",
     "Classify",
     "ConfigError",
+    "Fairness",
     "Headers",
     "Health",
     "JobClass",
+    "KeyGroup",
     "Learn",
     "Limits",
     "Listen",
@@ -38,9 +42,9 @@ __all__ = [
     "Scrape",
     "Settings",
     "Shutdown",
-    "Traffic",
     "Timeouts",
     "Tls",
+    "Traffic",
     "describe_errors",
     "load_settings",
     "masked",

@@ -32,6 +32,50 @@ class Rule(Section):
     )
 
 
+# Keys that clients send because their library wants one, not to say who they are: vLLM's and
+# SGLang's examples ("EMPTY", "none"), llama.cpp's and LM Studio's ("sk-no-key-required",
+# "lm-studio"), Ollama's ("ollama"), and the fill-ins of tutorials.
+PLACEHOLDER_KEYS = (
+    "none",
+    "null",
+    "nil",
+    "empty",
+    "-",
+    "x",
+    "0",
+    "no",
+    "nokey",
+    "no-key",
+    "no_key",
+    "sk-no-key-required",
+    "not-needed",
+    "not_needed",
+    "unused",
+    "anything",
+    "dummy",
+    "fake",
+    "test",
+    "key",
+    "token",
+    "secret",
+    "api-key",
+    "api_key",
+    "apikey",
+    "your-api-key",
+    "your_api_key",
+    "sk-xxx*",
+    "sk-...*",
+    "*placeholder*",
+    "*dummy*",
+    "*your*key*",
+    "lm-studio",
+    "ollama",
+    "vllm",
+    "sglang",
+    "llama.cpp",
+)
+
+
 class Classify(Section):
     """How a request's job class is decided after the override headers: rules, then heuristics."""
 
@@ -59,6 +103,12 @@ class Classify(Section):
         default=[],
         description="Extra text that marks a request as code, besides tool definitions, code fences and code-like "
         "lines.",
+    )
+    placeholder_keys: list[str] = Field(
+        default=list(PLACEHOLDER_KEYS),
+        description="Bearer keys that tell nobody apart when no client keys are configured: shell-style patterns, "
+        "compared without regard to case. Any other key separates its clients (kept only as a hash), even on an "
+        "open router; these count as no key at all.",
     )
 
 

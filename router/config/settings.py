@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from router.config.base import JobClass
 from router.config.batch import Batch, Responses
 from router.config.connections import Health, Limits, Retries, Timeouts, Tls
+from router.config.fairness import Fairness
 from router.config.pools import Pool
 from router.config.routing import Classify, Learn, Routing, Scrape
 from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown, Traffic
@@ -43,6 +44,7 @@ class Settings(BaseSettings):
     batch: Batch = Batch()
     responses: Responses = Responses()
     traffic: Traffic = Traffic()
+    fairness: Fairness = Fairness()
     max_body_bytes: int = Field(
         default=4 * 1024 * 1024,
         ge=1,
@@ -139,6 +141,10 @@ def masked(settings: Settings) -> dict[str, Any]:
         if env:
             count = len([k for k in os.environ.get(env, "").split(",") if k.strip()])
             data["auth"][field] = f"{env} ({count} keys)"
+    for group in data["fairness"]["groups"].values():
+        env = group["keys_env"]
+        count = len([k for k in os.environ.get(env, "").split(",") if k.strip()])
+        group["keys_env"] = f"{env} ({count} keys)"
     env = data["batch"]["postgres_dsn_env"]
     if env:
         data["batch"]["postgres_dsn_env"] = f"{env} ({'set' if os.environ.get(env) else 'NOT SET'})"

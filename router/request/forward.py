@@ -153,7 +153,7 @@ class Forwarder:
             error = NoBackendAvailable(f"pool {route.decision.pool!r} is no longer configured", code="pool_unavailable")
             return Failure(route.attempts(), error)
         try:
-            backend = await self._acquire(incoming, routed, route, pool)
+            backend = await self._acquire(incoming, routed, plan, route, pool)
         except NoBackendAvailable as exc:
             return Failure(route.attempts(), exc)
         attempts = route.attempts(backend.concurrency(self._clock.now(), plan.stale_after))
@@ -176,12 +176,18 @@ class Forwarder:
             return Failure(attempts, result.error)
         return _Retry(backend, result.reason, target)
 
-    async def _acquire(self, incoming: Incoming, routed: Routed, route: _Route, pool: Pool) -> Backend:
+    async def _acquire(self, incoming: Incoming, routed: Routed, plan: Plan, route: _Route, pool: Pool) -> Backend:
         """A slot on a backend of `pool`, waiting in its queue if need be. A retry goes to none
         tried; a pinned request waits for its one backend like any other."""
         queued_at = self._clock.now()
         exclude = frozenset(route.tried) if route.count else frozenset()
-        backend = await pool.acquire(route.decision.job, exclude=exclude, only=routed.backend)
+        backend = await pool.acquire(
+            route.decision.job,
+            client=incoming.client,
+            weight=plan.groups.weight(incoming.group),
+            exclude=exclude,
+            only=routed.backend,
+        )
         now = self._clock.now()
         self._observer.queued(pool.name, route.decision, now - queued_at)
         route.queue_wait += now - queued_at
@@ -205,7 +211,7 @@ class Forwarder:
 
     def _release(self, incoming: Incoming, pool: Pool, backend: Backend) -> None:
         backend.first_tokens.forget(id(incoming))
-        pool.release(backend, duration=self._clock.now() - incoming.arrival.started)
+        pool.release(backend, client=incoming.client, duration=self._clock.now() - incoming.arrival.started)
 
     async def _attempt(
         self, incoming: Incoming, routed: Routed, plan: Plan, backend: Backend, *, retry: bool

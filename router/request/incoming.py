@@ -36,6 +36,7 @@ class Incoming:
     # The JSON object of the body; never changed. Empty for a body that is not JSON (multipart,
     # audio) or a GET or DELETE: those are forwarded byte for byte, classified by headers alone.
     payload: Mapping[str, Any]
+    group: str | None = None  # the key group of `fairness.groups` its key is in, if any
 
     @property
     def stream(self) -> bool:

@@ -50,10 +50,18 @@ async def accept(arrival: Arrival, scope: Scope, receive: Receive, plan: Plan) -
         receive, limit=plan.max_body_bytes, within=plan.client_body_seconds, declared=headers.get("content-length")
     )
     payload = _payload(arrival.method, headers.get("content-type"), body, plan.json_depth)
-    address = scope["client"][0] if scope.get("client") else None
+    address = peer(scope)
     user = field_of(payload, "user", str)
-    client = client_id(api_key if plan.auth.required else None, user, address)
-    return Incoming(arrival, headers, api_key, client, body, payload)
+    # Any key but a placeholder tells clients apart; a configured client key always does.
+    identity = api_key if api_key is not None and (plan.auth.required or api_key not in plan.placeholders) else None
+    client = client_id(identity, user, address)
+    return Incoming(arrival, headers, api_key, client, body, payload, group=plan.groups.of(api_key))
+
+
+def peer(scope: Scope) -> str | None:
+    """The client's address: the peer's, or the one a trusted proxy named (uvicorn's doing)."""
+    client = scope.get("client")
+    return str(client[0]) if client else None
 
 
 def _payload(method: str, content_type: str | None, body: bytes, max_depth: int) -> dict[str, Any]:

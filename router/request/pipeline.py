@@ -73,6 +73,9 @@ class Pipeline:
         try:
             # Ingress: the client's key, the body within its limits, the JSON.
             incoming = await ingress.accept(arrival, scope, receive, plan)
+            self._clients.proxies.check(
+                scope["client"][0] if scope.get("client") else None, incoming.headers.get("x-forwarded-for")
+            )
             new_client = self._clients.start(incoming.client)
             try:
                 # Decision: a new client's first burst shows itself first, then where and why.

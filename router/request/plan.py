@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.auth import Auth
+from router.auth import Auth, KeyGroups
 from router.config import Retries, Routing, Settings
 from router.routing.classify import Classifier
+from router.routing.clients import Placeholders
 from router.routing.policy import Policy
 from router.transport import HeadLimits, Timeouts
 
@@ -24,6 +25,9 @@ class Plan:
     override_headers: frozenset[str]  # lower-cased; never forwarded
     job_header: str  # lower-cased
     code_hints: tuple[str, ...]
+    placeholders: Placeholders  # bearer keys that identify nobody
+    groups: KeyGroups  # the key groups of `fairness.groups`
+    top_clients: int  # clients shown by name per pool (router.status)
     # The client's side (ingress).
     max_body_bytes: int
     json_depth: int
@@ -58,6 +62,9 @@ def compile_plan(settings: Settings) -> Plan:
         override_headers=frozenset({settings.headers.pool.lower(), settings.headers.job.lower()}),
         job_header=settings.headers.job.lower(),
         code_hints=tuple(settings.classify.code_hints),
+        placeholders=Placeholders(settings.classify.placeholder_keys),
+        groups=KeyGroups(settings.fairness.groups),
+        top_clients=settings.fairness.top_clients,
         max_body_bytes=settings.max_body_bytes,
         json_depth=limits.json_depth,
         client_body_seconds=timeouts.client_body,

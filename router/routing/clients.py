@@ -8,23 +8,70 @@ next burst begins.
 from __future__ import annotations
 
 import asyncio
+import fnmatch
+import hashlib
+import logging
 
 from router.clock import Clock
 from router.config import Classify
 
+logger = logging.getLogger("specroute")
+
 
 def client_id(api_key: str | None, user: str | None, address: str | None) -> str:
-    """Who a request belongs to, for the in-flight heuristic: the combination of what is present.
+    """Who a request belongs to, for fair share, limits and the in-flight heuristic: the
+    combination of what is present.
 
-    `api_key` is only an identity when it is one of the configured client keys (the caller passes
-    None otherwise: a placeholder such as "none" tells nobody apart). Users sharing one key are
-    told apart by the body's `user`; everyone behind one address, by their key or `user`.
+    `api_key` is an identity unless it is a placeholder (the caller passes None then, see
+    `Placeholders`: "none" tells nobody apart); it is kept only as a hash. Users sharing one key
+    are told apart by the body's `user`; everyone behind one address, by their key or `user`.
     """
-    parts = [f"key:{api_key}"] if api_key else []
+    parts = [f"key:{key_hash(api_key)}"] if api_key else []
     if user:
         parts.append(f"user:{user}")
     parts.append(f"addr:{address or 'unknown'}")
     return " ".join(parts)
+
+
+def key_hash(api_key: str) -> str:
+    """An API key as the router keeps it: 16 hex digits of its BLAKE2b digest, never the key."""
+    return hashlib.blake2b(api_key.encode(), digest_size=8).hexdigest()
+
+
+class Placeholders:
+    """The bearer keys that say nothing about who sends them (`classify.placeholder_keys`):
+    shell-style patterns, compared without regard to case."""
+
+    def __init__(self, patterns: list[str]) -> None:
+        self._patterns = tuple(pattern.lower() for pattern in patterns)
+
+    def __contains__(self, key: str) -> bool:
+        key = key.strip().lower()
+        return not key or any(fnmatch.fnmatchcase(key, pattern) for pattern in self._patterns)
+
+
+class ProxyNotice:
+    """A warning, once per peer, for requests that arrive through a proxy the router does not
+    trust (`listen.forwarded_allow_ips`): all its users then count as one client, the proxy."""
+
+    _MAX = 256  # peers remembered; past them, no more warnings
+
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+
+    def check(self, address: str | None, forwarded_for: str | None) -> None:
+        if forwarded_for is None or address is None or address in self._warned or len(self._warned) >= self._MAX:
+            return
+        # A trusted proxy's header was taken: the client's address is then one of those it names.
+        if address in (part.strip() for part in forwarded_for.split(",")):
+            return
+        self._warned.add(address)
+        logger.warning(
+            "requests from %s carry X-Forwarded-For, but %s is not in listen.forwarded_allow_ips: "
+            "every client behind it counts as one (fair share, limits, batch detection)",
+            address,
+            address,
+        )
 
 
 class Clients:
@@ -44,6 +91,7 @@ class Clients:
         self._in_flight: dict[str, int] = {}
         self._peaks: dict[str, tuple[float, float]] = {}  # client -> (peak, when)
         self._holds: dict[str, asyncio.Event] = {}  # clients whose first requests are held
+        self.proxies = ProxyNotice()
 
     def configure(self, config: Classify) -> None:
         self._memory = config.client_memory_seconds

@@ -174,3 +174,104 @@ def test_reconcile_keeps_a_backend_with_the_same_url_and_names_the_others() -> N
     kept = {backend.name: backend for backend in pools["p"].backends}
     assert kept["a"] is a and (a.in_flight, a.healthy) == (3, False)
     assert replaced == {"b", "c", "d"}
+
+
+async def _admission_order(
+    pool: Pool, requests: list[tuple[str, str]], *, weights: dict[str, float] | None = None
+) -> list[str]:
+    """Queue `requests` (name, client) on a full one-slot pool in this order; free the slot and
+    return the order in which they were admitted, each holding its slot until the next is in."""
+    holder = await pool.acquire("interactive", client="holder")
+    order: list[str] = []
+    handed: list[tuple[str, Backend]] = []
+
+    async def wait(name: str, client: str) -> None:
+        backend = await pool.acquire("interactive", client=client, weight=(weights or {}).get(client, 1.0))
+        order.append(name)
+        handed.append((client, backend))
+
+    tasks = []
+    for name, client in requests:
+        tasks.append(asyncio.create_task(wait(name, client)))
+        await asyncio.sleep(0)
+    pool.release(holder, client="holder")
+    while len(order) < len(requests):
+        await asyncio.sleep(0)
+        if handed:
+            handed.pop()
+            # Admitted: it keeps its slot (counted for its client) and another slot opens.
+            pool.backends[0].max_concurrency += 1
+            pool.wake()
+    await asyncio.gather(*tasks)
+    return order
+
+
+@pytest.mark.anyio
+async def test_a_client_with_many_slots_waits_behind_those_with_few() -> None:
+    # The agent queued five before the chat users' one each; with fair share each user's goes
+    # first once the agent holds a slot, then the agent's in their order.
+    requests = [(f"agent-{i}", "agent") for i in range(5)] + [("alice", "alice"), ("bob", "bob")]
+    order = await _admission_order(_pool(queue_size=16), requests)
+    assert order == ["agent-0", "alice", "bob", "agent-1", "agent-2", "agent-3", "agent-4"]
+
+
+@pytest.mark.anyio
+async def test_without_fair_share_the_queue_is_first_come_first_served() -> None:
+    pool = _pool(queue_size=16)
+    pool.fair_share = False
+    requests = [(f"agent-{i}", "agent") for i in range(3)] + [("alice", "alice")]
+    assert await _admission_order(pool, requests) == ["agent-0", "agent-1", "agent-2", "alice"]
+
+
+@pytest.mark.anyio
+async def test_two_busy_clients_alternate_and_a_weight_gives_a_larger_share() -> None:
+    requests = [(f"a-{i}", "a") for i in range(4)] + [(f"b-{i}", "b") for i in range(4)]
+    order = await _admission_order(_pool(queue_size=16), requests)
+    assert order == ["a-0", "b-0", "a-1", "b-1", "a-2", "b-2", "a-3", "b-3"]
+    # Weight 2: b is admitted as if it held half its slots, so it gets two for a's one.
+    order = await _admission_order(_pool(queue_size=16), requests, weights={"b": 2.0})
+    assert order[:6] == ["a-0", "b-0", "b-1", "a-1", "b-2", "b-3"]
+
+
+@pytest.mark.anyio
+async def test_slots_are_counted_per_client_and_forgotten_when_returned() -> None:
+    pool = _pool(slots=3)
+    first = await pool.acquire("interactive", client="a")
+    second = await pool.acquire("interactive", client="a")
+    third = await pool.acquire("batch", client="b")
+    assert pool.held == {"a": 2, "b": 1}
+    assert pool.shares(1) == ([("a", 2)], 1)
+    for backend, client in ((first, "a"), (second, "a"), (third, "b")):
+        pool.release(backend, client=client)
+    assert pool.held == {}
+
+
+@pytest.mark.anyio
+async def test_a_flood_of_distinct_clients_leaves_no_state_behind() -> None:
+    """Hostile: ten thousand clients, each its own key, through a full pool's bounded queue. What
+    the pool keeps per client is bounded by its slots and queue while they wait, and nothing once
+    they have gone; the one well-behaved user is still served next."""
+    pool = _pool(slots=2, queue_size=64, queue_timeout=5)
+    held = [await pool.acquire("interactive", client=f"flood-{i}") for i in range(2)]
+    refused = 0
+    waiting: list[asyncio.Task[Backend]] = []
+    for number in range(10_000):
+        task = asyncio.create_task(pool.acquire("interactive", client=f"flood-{number + 2}"))
+        await asyncio.sleep(0)
+        if task.done():
+            refused += 1  # queue_full: nothing of it is kept
+            assert isinstance(task.exception(), NoBackendAvailable)
+        else:
+            waiting.append(task)
+        assert len(pool.held) <= 2 and pool.queued() <= 64
+    assert refused == 10_000 - 64
+    user = asyncio.create_task(pool.acquire("interactive", client="user"))
+    await asyncio.sleep(0)
+    assert isinstance(user.exception(), NoBackendAvailable)  # queue_full: the bound holds for everyone
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    pool.release(held[0], client="flood-0")
+    pool.release(held[1], client="flood-1")
+    assert pool.held == {} and pool.queued() == 0
+    assert (await pool.acquire("interactive", client="user")) is held[0]

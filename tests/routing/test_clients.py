@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
 
 from router.clock import ManualClock
-from router.config import Classify
-from router.routing.clients import Clients
+from router.config import PLACEHOLDER_KEYS, Classify
+from router.routing.clients import Clients, Placeholders, ProxyNotice, client_id, key_hash
 
 
 def _clients(clock: ManualClock, **config: Any) -> Clients:
@@ -144,3 +145,50 @@ async def test_a_user_seen_lately_with_one_request_at_a_time_is_not_held_again()
     again.cancel()
     with pytest.raises(asyncio.CancelledError):
         await again
+
+
+def test_a_key_is_kept_only_as_its_hash() -> None:
+    client = client_id("sk-team-secret-1234", None, "10.0.0.1")
+    assert "sk-team-secret-1234" not in client
+    assert client == f"key:{key_hash('sk-team-secret-1234')} addr:10.0.0.1"
+    assert key_hash("sk-a") != key_hash("sk-b")
+
+
+@pytest.mark.parametrize(
+    ("key", "placeholder"),
+    [
+        ("none", True),
+        ("EMPTY", True),
+        ("  None ", True),
+        ("", True),
+        ("sk-no-key-required", True),
+        ("sk-placeholder-1234", True),
+        ("sk-xxxxxxxx", True),
+        ("ollama", True),
+        ("sk-proj-8c1f0e2a9b", False),
+        ("team-a-7f3e", False),
+        ("nonesuch-key-42", False),
+    ],
+)
+def test_placeholder_keys(key: str, placeholder: bool) -> None:
+    assert (key in Placeholders(list(PLACEHOLDER_KEYS))) is placeholder
+
+
+def test_a_proxy_not_trusted_is_warned_of_once(caplog: pytest.LogCaptureFixture) -> None:
+    notice = ProxyNotice()
+    with caplog.at_level(logging.WARNING, logger="specroute"):
+        notice.check("10.0.0.9", None)  # no proxy header: nothing to say
+        notice.check("10.0.0.5", "203.0.113.7, 10.0.0.5")  # trusted: uvicorn took the header
+        assert not caplog.records
+        notice.check("10.0.0.9", "203.0.113.7")
+        notice.check("10.0.0.9", "203.0.113.8")
+    assert len(caplog.records) == 1
+    assert "10.0.0.9" in caplog.records[0].getMessage()
+    assert "forwarded_allow_ips" in caplog.records[0].getMessage()
+
+
+def test_proxy_warnings_are_bounded() -> None:
+    notice = ProxyNotice()
+    for number in range(ProxyNotice._MAX * 4):
+        notice.check(f"10.1.{number // 256}.{number % 256}", "203.0.113.7")
+    assert len(notice._warned) == ProxyNotice._MAX
