@@ -141,7 +141,12 @@ def test_the_router_records_what_it_served_and_export_writes_it(tmp_path: Path) 
     )
     assert "2 requests" in result.stderr
     first, second = (json.loads(line) for line in out.read_text().splitlines())
-    assert (first["job"], first["kind"], first["answer_tokens"], first["declared"]) == ("interactive", "prose", 3, False)
+    assert (first["job"], first["kind"], first["answer_tokens"], first["declared"]) == (
+        "interactive",
+        "prose",
+        3,
+        False,
+    )
     assert first["prompt_tokens"] > 0 and first["conversation"] is None and first["ttft"] is not None
     assert (second["job"], second["answer_tokens"], second["declared"]) == ("batch", 5, True)
     assert second["conversation"] is not None and "s-1" not in second["conversation"]
