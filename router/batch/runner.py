@@ -1,9 +1,8 @@
 """Runs the batches' lines in the throughput that live traffic leaves free.
 
-Each line is sent through the router's own request path — the proxy's ASGI app, called in
-process with a synthetic request that the router marks as its own (`INTERNAL_SCOPE_KEY`) and
-declares `batch` — so it is classified, admitted, queued, retried, measured and logged like any
-other request. The runner only decides how many lines run at once, and which:
+Each line is sent through the router's own request path by an in-process client (client.py),
+as the router's own request declared `batch`, so it is classified, admitted, queued, retried,
+measured and logged like any other request. The runner only decides how many lines run at once, and which:
 
 - A line starts only while the batch pool has more than `reserve_slots` free slots and nothing
   waiting in its queue, so a live request never waits behind one; the speculative pool's idle
@@ -31,10 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskGroup
-from starlette.types import Message
 
-from router.auth import INTERNAL_SCOPE_KEY
 from router.backends.pools import Pool
+from router.batch.client import InProcessClient
 from router.batch.metrics import BatchMetrics
 from router.batch.store import BatchRecord, BatchStatus, Line, Store
 from router.config import Batch as BatchConfig
@@ -56,6 +54,7 @@ RATE_WINDOW = 60  # seconds of the runner's clock that lines per second is measu
 class Runner:
     def __init__(self, router: Router, store: Store, metrics: BatchMetrics, *, clock: Callable[[], float]) -> None:
         self._router = router
+        self._client = InProcessClient(router.pipeline)
         self._store = store
         self._metrics = metrics
         self._clock = clock
@@ -311,65 +310,28 @@ class Runner:
 
     async def _call(self, line: Line, request_id: str) -> tuple[int, Any]:
         """The line through the router's own request path; its status and JSON body."""
-        body = line.body.encode()
-        job_header = self._router.plan.job_header.encode()
-        scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": line.url,
-            "raw_path": line.url.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"x-request-id", request_id.encode()),
-                (job_header, b"batch"),
-            ],
-            "client": ("specroute-batch", 0),
-            "server": None,
-            INTERNAL_SCOPE_KEY: True,
-        }
-        sent = admitted = False
-        never = anyio.Event()  # this caller does not hang up: the proxy's disconnect watch waits
+        admitted = False
 
-        async def receive() -> Message:
-            nonlocal sent, admitted
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            # The proxy listens for a disconnect once the request is served: it has a slot, or
-            # waits in a pool's queue, and the pools count it from now on.
-            if not admitted:
-                admitted = True
-                self._starting -= 1
-            await never.wait()
-            return {"type": "http.disconnect"}
+        def entered_a_pool() -> None:
+            nonlocal admitted
+            admitted = True
+            self._starting -= 1
 
-        status = 0
-        chunks: list[bytes] = []
-
-        async def send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            elif message["type"] == "http.response.body":
-                chunks.append(message.get("body", b""))
-
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"x-request-id", request_id.encode()),
+            (self._router.plan.job_header.encode(), b"batch"),
+        ]
         try:
-            await self._router.pipeline(scope, receive, send)
+            reply = await self._client.post(line.url, line.body.encode(), headers=headers, admitted=entered_a_pool)
         finally:
             if not admitted:  # answered before it reached a pool (an error of its own)
                 self._starting -= 1
-        status = status or 500  # the path ended without answering: a fault of the router's own
-        raw = b"".join(chunks)
+        status = reply.status or 500  # the path ended without answering: a fault of the router's own
         try:
-            return status, json.loads(raw)
+            return status, json.loads(reply.body)
         except ValueError:
-            return status, raw.decode("utf-8", "replace") if raw else None
+            return status, reply.body.decode("utf-8", "replace") if reply.body else None
 
 
 class Rate:

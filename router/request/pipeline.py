@@ -41,6 +41,10 @@ from router.routing.policy import Decision
 from router.routing.snapshot import snapshot
 from router.transport import TransportError
 
+# An ASGI extension: a caller that asks for it hears `{"type": ADMITTED}` when its request enters a
+# pool (holds a slot or waits in the pool's queue); the batch runner counts its lines by it.
+ADMITTED = "specroute.admitted"
+
 
 class Pipeline:
     def __init__(
@@ -99,6 +103,8 @@ class Pipeline:
                 routed = await self._owners.route(incoming, routed, plan)  # a stored response: to its backend
                 self._observer.decided(routed.decision)
                 request.decision = routed.decision
+                if ADMITTED in scope.get("extensions", {}):  # an in-process caller counting its requests
+                    await send({"type": ADMITTED})  # entering a pool now: nothing awaits before it
                 # Forwarding and relay, cancelled at once if the client leaves.
                 await self._serve_until_disconnect(receive, send, incoming, routed, plan, request)
             finally:
