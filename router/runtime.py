@@ -34,9 +34,9 @@ from router.request.forward import Forwarder
 from router.request.observe import Observer
 from router.request.pipeline import Pipeline
 from router.request.plan import Plan, compile_plan
-from router.responses.affinity import ResponseOwners
+from router.responses.affinity import ResponseAffinity
 from router.responses.locate import Locator
-from router.responses.owners import Owners
+from router.responses.owners import StoredResponses
 from router.routing.clients import Clients
 from router.routing.learn import SpeedModel
 from router.traffic import TrafficRecorder
@@ -103,7 +103,7 @@ class Router:
         self.clients = Clients(clock=self.clock)
         self.traffic = TrafficRecorder(clock=self.clock)
         observer = Observer(self.metrics, self.speeds, self.traffic)
-        self.owners = ResponseOwners()  # which backend made each stored response (Responses API)
+        self.owners = ResponseAffinity()  # which backend made each stored response (Responses API)
         self.locator = Locator(self.transport)  # and which holds one this router never saw made
         self.pipeline = Pipeline(
             pools=self.pools,
@@ -111,7 +111,7 @@ class Router:
             speeds=self.speeds,
             forwarder=Forwarder(self.pools, self.transport, observer, self.clock),
             observer=observer,
-            owners=Owners(
+            owners=StoredResponses(
                 pools=self.pools, owners=self.owners, locator=self.locator, observer=observer, clock=self.clock
             ),
             clock=self.clock,

@@ -34,7 +34,7 @@ from router.request.observe import Finished, Observer
 from router.request.payload import ClientGone
 from router.request.plan import Plan
 from router.request.relay import Outcome, Progress, relay_stream, relay_whole
-from router.responses.owners import Owners
+from router.responses.owners import StoredResponses
 from router.routing.clients import Clients
 from router.routing.learn import SpeedModel
 from router.routing.policy import Decision
@@ -55,7 +55,7 @@ class Pipeline:
         speeds: SpeedModel,
         forwarder: Forwarder,
         observer: Observer,
-        owners: Owners,
+        owners: StoredResponses,
         clock: Clock,
     ) -> None:
         self._pools = pools
@@ -73,7 +73,7 @@ class Pipeline:
         assert plan is not None, "Router.apply sets the plan before the app serves"
         arrival = ingress.arrive(scope, self._clock.now())
         incoming: Incoming | None = None
-        request = _Request()
+        request = _Record()
         try:
             # Ingress: the client's key, the body within its limits, the JSON.
             incoming = await ingress.accept(arrival, scope, receive, plan)
@@ -127,7 +127,7 @@ class Pipeline:
             self._observer.finished(self._finished(arrival, incoming, request, plan))
 
     async def _serve_until_disconnect(
-        self, receive: Receive, send: Send, incoming: Incoming, routed: Routed, plan: Plan, request: _Request
+        self, receive: Receive, send: Send, incoming: Incoming, routed: Routed, plan: Plan, request: _Record
     ) -> None:
         """Serve the request, cancelling everything (queue wait, upstream) if the client leaves.
 
@@ -166,7 +166,7 @@ class Pipeline:
             self._serving.discard(serving)
             waiter.cancel()
 
-    async def _serve(self, send: Send, incoming: Incoming, routed: Routed, plan: Plan, request: _Request) -> None:
+    async def _serve(self, send: Send, incoming: Incoming, routed: Routed, plan: Plan, request: _Record) -> None:
         result = await self._forwarder.forward(incoming, routed, plan, request.noted)
         if not isinstance(result, Answer):
             request.noted(result.attempts)
@@ -189,7 +189,7 @@ class Pipeline:
         routed: Routed,
         plan: Plan,
         answer: Answer,
-        request: _Request,
+        request: _Record,
         headers: dict[str, str],
     ) -> Outcome:
         backend, decision = answer.backend, answer.attempts.decision
@@ -222,7 +222,7 @@ class Pipeline:
         for serving in self._serving:
             serving.end()
 
-    async def _end_for_shutdown(self, send: Send, request: _Request) -> None:
+    async def _end_for_shutdown(self, send: Send, request: _Record) -> None:
         error = ShuttingDown("the router is shutting down; send the request again", code="shutting_down")
         request.status, request.code = error.status_code, error.code
         if not request.progress.streaming:
@@ -230,7 +230,7 @@ class Pipeline:
         # Like a stream whose upstream failed: the events so far, one error event, no [DONE].
         await send({"type": "http.response.body", "body": error.event(), "more_body": False})
 
-    def _finished(self, arrival: Arrival, incoming: Incoming | None, request: _Request, plan: Plan) -> Finished:
+    def _finished(self, arrival: Arrival, incoming: Incoming | None, request: _Record, plan: Plan) -> Finished:
         now = self._clock.now()
         attempts, outcome = request.attempts, request.outcome
         backend = attempts.backend if attempts is not None else None
@@ -300,7 +300,7 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-class _Request:
+class _Record:
     """What became of one request so far: filled in as it goes, read once at its end."""
 
     __slots__ = ("attempts", "code", "decision", "outcome", "progress", "status")
@@ -318,7 +318,7 @@ class _Request:
         self.decision = attempts.decision  # `failover:<pool>` once it moved
 
 
-def _route_headers(arrival: Arrival, request: _Request) -> dict[str, str]:
+def _route_headers(arrival: Arrival, request: _Record) -> dict[str, str]:
     headers = {"x-request-id": arrival.request_id}
     if request.decision is not None:
         headers["x-route-pool"] = request.decision.pool

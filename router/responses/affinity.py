@@ -38,7 +38,7 @@ def made_response(method: str, path: str) -> bool:
     return method == "POST" and path == "/v1/responses"
 
 
-class ResponseOwners:
+class ResponseAffinity:
     """Response id -> backend name, each for `affinity_seconds`, at most `affinity_max` of them."""
 
     def __init__(self) -> None:

@@ -22,13 +22,13 @@ from router.request.incoming import Incoming
 from router.request.observe import Observer
 from router.request.plan import Plan
 from router.request.relay import Outcome
-from router.responses.affinity import ResponseOwners, made_response, response_ref
+from router.responses.affinity import ResponseAffinity, made_response, response_ref
 from router.responses.locate import Locator
 
 
-class Owners:
+class StoredResponses:
     def __init__(
-        self, *, pools: Pools, owners: ResponseOwners, locator: Locator, observer: Observer, clock: Clock
+        self, *, pools: Pools, owners: ResponseAffinity, locator: Locator, observer: Observer, clock: Clock
     ) -> None:
         self._pools = pools
         self._owners = owners

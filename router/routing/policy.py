@@ -87,7 +87,7 @@ class Policy:
         spec, std = pools[self._speculative], pools[self._standard]
         if job == "batch":
             standard_unavailable = not std.healthy or not std.has_room
-            spec_idle = self._waits(spec) is None and spec.concurrency < self._config.crossover[content]
+            spec_idle = self._wait(spec) is None and spec.concurrency < self._config.crossover[content]
             if standard_unavailable and spec_idle and self._config.batch_may_use_speculative:
                 return to(self._speculative, "borrow:standard-unavailable")
             return to(self._standard)
@@ -95,18 +95,18 @@ class Policy:
         unavailable = self._unavailable(spec)
         standard_open = std.healthy and std.has_room
         if unavailable is not None:
-            return to(self._standard, unavailable) if standard_open else to(self._speculative)
+            return to(self._standard, f"spill:spec-{unavailable}") if standard_open else to(self._speculative)
         if self._config.mode == "static" or not standard_open:
             return to(self._speculative)
-        waits = self._waits(spec)
+        waits = self._wait(spec)
         if waits is not None:
             # Spill only to where the first token comes sooner.
-            if self._waits(std) is None or _sooner(std.ttft, spec.ttft):
-                return to(self._standard, waits)
+            if self._wait(std) is None or _sooner(std.ttft, spec.ttft):
+                return to(self._standard, f"spill:spec-{waits}")
             return to(self._speculative)
         # The speculative pool has room: leave it only for a standard pool that neither queues
         # nor keeps its first tokens past the target, and only for a faster place.
-        if self._waits(std) is not None or (std.ttft is not None and std.ttft > self._config.ttft_target):
+        if self._wait(std) is not None or (std.ttft is not None and std.ttft > self._config.ttft_target):
             return to(self._speculative)
         spec_speed, std_speed = spec.speed.get(content), std.speed.get(content)
         if self._config.mode == "adaptive" and spec_speed is not None and std_speed is not None:
@@ -122,25 +122,26 @@ class Policy:
         return to(self._speculative)
 
     @staticmethod
-    def _unavailable(spec: PoolState) -> str | None:
-        """Why the speculative pool takes no new work at all, or None."""
-        if spec.draining:
-            return "spill:spec-draining"
-        if not spec.healthy:
-            return "spill:spec-down"
+    def _unavailable(state: PoolState) -> str | None:
+        """Why a pool takes no new work at all (`draining`, `down`), or None."""
+        if state.draining:
+            return "draining"
+        if not state.healthy:
+            return "down"
         return None
 
-    def _waits(self, state: PoolState) -> str | None:
-        """Why a request sent to this pool now would wait for its first token, or None."""
+    def _wait(self, state: PoolState) -> str | None:
+        """Why a request sent to a pool now would wait for its first token (`queueing`,
+        `kv-full`, `full`, or why it is unavailable), or None."""
         unavailable = self._unavailable(state)
         if unavailable is not None:
             return unavailable
         if state.engine_queued > 0:
-            return "spill:spec-queueing"
+            return "queueing"
         if state.kv_usage is not None and state.kv_usage >= self._config.kv_threshold:
-            return "spill:spec-kv-full"
+            return "kv-full"
         if not state.has_room:
-            return "spill:spec-full"
+            return "full"
         return None
 
 

@@ -100,7 +100,7 @@ class _AiohttpResponse:
             await self._transport.closed(self._session)
 
 
-class _Request(aiohttp.ClientRequest):
+class _BareDelete(aiohttp.ClientRequest):
     """aiohttp's request, except that a DELETE without a body goes without one: aiohttp gives it
     `Content-Length: 0`, a length the client never sent (GET and HEAD it already leaves bare)."""
 
@@ -153,7 +153,7 @@ class AiohttpTransport:
             connector = Connector(limit=0, limit_per_host=self._limit, keepalive_timeout=KEEP_ALIVE_SECONDS)
             self._session = aiohttp.ClientSession(
                 connector=connector,
-                request_class=_Request,
+                request_class=_BareDelete,
                 timeout=aiohttp.ClientTimeout(total=None),
                 # Only the headers the router chose; aiohttp adds Host and Content-Length.
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from router.config import Responses
-from router.responses.affinity import ResponseOwners, made_response, response_ref
+from router.responses.affinity import ResponseAffinity, made_response, response_ref
 
 
 def test_ids_are_named_by_path_or_previous_response_id() -> None:
@@ -18,7 +18,7 @@ def test_ids_are_named_by_path_or_previous_response_id() -> None:
 
 
 def test_the_oldest_go_first_past_the_bound() -> None:
-    owners = ResponseOwners()
+    owners = ResponseAffinity()
     owners.configure(Responses(affinity_seconds=60, affinity_max=2))
     for n in range(3):
         owners.remember(f"r{n}", f"b{n}", now=0)
@@ -30,7 +30,7 @@ def test_the_oldest_go_first_past_the_bound() -> None:
 
 
 def test_ids_expire_and_are_dropped_as_new_ones_come() -> None:
-    owners = ResponseOwners()
+    owners = ResponseAffinity()
     owners.configure(Responses(affinity_seconds=10, affinity_max=100))
     owners.remember("old", "b1", now=0)
     assert owners.owner("old", now=9.9) == "b1"
@@ -43,7 +43,7 @@ def test_ids_expire_and_are_dropped_as_new_ones_come() -> None:
 
 def test_zero_remembers_nothing() -> None:
     for config in (Responses(affinity_seconds=0), Responses(affinity_max=0)):
-        owners = ResponseOwners()
+        owners = ResponseAffinity()
         owners.configure(config)
         owners.remember("r", "b", now=0)
         assert len(owners) == 0 and owners.owner("r", now=0) is None
