@@ -48,7 +48,7 @@ def test_the_reference_has_a_row_for_every_setting() -> None:
 
 def _example_keys(text: str) -> set[str]:
     """The keys config/router.yaml sets, and those it shows commented out (`# key: value`), with
-    the names of pools and backends as `*` and a list's items not looked into."""
+    the names of pools, backends and key groups as `*` and a list's items not looked into."""
     uncommented = re.sub(r"^(\s*)# ?(?=[a-z_]+:(\s|$))", r"\1", text, flags=re.MULTILINE)
     keys: set[str] = set()
 
@@ -57,7 +57,7 @@ def _example_keys(text: str) -> set[str]:
             return
         for name, value in node.items():
             key = f"{prefix}{name}"
-            if key in {"pools", "pools.*.backends"}:
+            if key in {"pools", "pools.*.backends", "fairness.groups"}:
                 for item in value.values():
                     walk(item, f"{key}.*.")
             elif key in reference.leaves() or not isinstance(value, dict):
