@@ -73,12 +73,14 @@ def parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--fast", default="fast", help="profile for the speculative setup")
     calibrate.add_argument("--team", default="team", help="profile for the standard setup")
     fit = sim_actions.add_parser(
-        "fit", help=f"derive a profile's speed from a `specroute bench sweep` JSON (needs {TOOLS_HINT})"
+        "fit", help=f"fit a profile to `specroute bench sweep` JSON files, and check it (needs {TOOLS_HINT})"
     )
-    fit.add_argument("sweep", help="JSON written by `specroute bench sweep --out`")
+    fit.add_argument("sweep", nargs="+", help="sweep.json written by `specroute bench sweep` (one per --kind)")
     fit.add_argument("--base", default="team", help="profile to start from (fast, team or a file)")
     fit.add_argument("--name", help="name of the new profile")
     fit.add_argument("--out", help="write the profile here (default: print it)")
+    fit.add_argument("--kv-cache-tokens", type=int, help="the engine's KV cache, if the sweep could not read it")
+    fit.add_argument("--force", action="store_true", help="write the profile even when the fit is poor")
 
     trace = commands.add_parser("trace", help="the traffic record the router keeps (traffic.path)")
     trace_actions = trace.add_subparsers(dest="trace_command", required=True)
@@ -288,7 +290,14 @@ def _sim(args: argparse.Namespace) -> int:
             from router.sim import fit
         except ModuleNotFoundError as exc:
             return _missing_tools("sim fit", exc)
-        return fit.main(args.sweep, base=args.base, name=args.name, out=args.out)
+        return fit.main(
+            args.sweep,
+            base=args.base,
+            name=args.name,
+            out=args.out,
+            kv_cache_tokens=args.kv_cache_tokens,
+            force=args.force,
+        )
     profile = load_profile(args.profile)
     print(f"specroute sim: {profile.name} engine ({profile.model}) at http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(

@@ -60,9 +60,11 @@ def prior_block(rounds: Sequence[SweepRound], *, kind: str, base_url: str, model
 def sweep_data(rounds: Sequence[SweepRound], meta: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON form; `specroute sim fit` reads it."""
     prompts = [r.summary.prompt_tokens for r in rounds if r.summary.prompt_tokens]
+    stated = [r.engine.kv_cache_tokens for r in rounds if r.engine and r.engine.kv_cache_tokens]
     return {
         **meta,
         "prompt_tokens": prompts[0] if prompts else None,
+        "kv_cache_tokens": stated[0] if stated else None,
         "rounds": [
             {
                 "users": r.users,
@@ -72,6 +74,7 @@ def sweep_data(rounds: Sequence[SweepRound], meta: Mapping[str, Any]) -> dict[st
                 "worst_ttft": r.summary.ttft_worst,
                 "errors": r.summary.errors,
                 "tokens": r.summary.tokens,
+                **({"engine": r.engine.as_dict()} if r.engine else {}),
             }
             for r in rounds
         ],

@@ -12,7 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+import aiohttp
+
 from router.bench.load import Job, Load, Record, Target
+from router.bench.watch import EngineRound, EngineWatch
 from router.content import ContentKind
 from router.quantiles import percentile
 
@@ -62,6 +65,7 @@ class Summary:
 class SweepRound:
     users: int
     summary: Summary
+    engine: EngineRound | None = None  # what the engine's /metrics said, when the target is one
 
 
 async def sweep(
@@ -76,18 +80,25 @@ async def sweep(
     """For each concurrency, one round of that many simultaneous requests."""
     rounds = []
     load = Load(target, max_connections=max(users) + 8)
+    watch = EngineWatch(target.base_url)
+    metrics = aiohttp.ClientSession()
     try:
         for done, count in enumerate(users):
             load.records = []
             load.restart_clock()
             job = Job(kind=kind, max_tokens=max_tokens)
+            engine, stop = EngineRound(), asyncio.Event()
+            watching = asyncio.create_task(watch.watch(metrics, engine, stop))
             records = await asyncio.gather(*(load.request(job) for _ in range(count)))
-            rounds.append(SweepRound(count, Summary.of(records)))
+            stop.set()
+            await watching
+            rounds.append(SweepRound(count, Summary.of(records), engine if watch.available else None))
             if progress:
                 progress((done + 1) / len(users))
             await asyncio.sleep(pause)  # let the engine settle before the next round
     finally:
         await load.aclose()
+        await metrics.close()
     return rounds
 
 

@@ -28,13 +28,23 @@ class Round:
     peak_kv_usage: float
 
 
-def replay_round(profile: Profile, users: int, kind: ContentKind, *, answer_tokens: int = 512, seed: int = 0) -> Round:
+def replay_round(
+    profile: Profile,
+    users: int,
+    kind: ContentKind,
+    *,
+    answer_tokens: int = 512,
+    seed: int = 0,
+    prompt_tokens: int | None = None,
+) -> Round:
+    """`prompt_tokens`: every prompt this long (as an engine counted a sweep's), else the
+    prompt set's own, as the benchmark sends them."""
     engine = Engine(profile, seed=seed)
     texts = prompts(kind)
     requests = [
         engine.add(
             f"r{i}",
-            prompt_tokens=chat_prompt_tokens([texts[i % len(texts)]]),
+            prompt_tokens=prompt_tokens or chat_prompt_tokens([texts[i % len(texts)]]),
             max_tokens=answer_tokens,
             kind=kind,
             ignore_eos=True,
