@@ -132,8 +132,10 @@ async def serve_cluster(
     port: int | None = None,
     time_scale: float = 1.0,
     on_ready: Callable[[str, str], Any] = lambda base_url, banner: print(banner, flush=True),
+    prompt_tokens_details: bool = False,
 ) -> None:
     """Serve until stopped; `on_ready(base_url, banner)` once every server listens.
+    `prompt_tokens_details`: the engines' usage says the prompt tokens they found cached.
 
     The router listens on `host` and `port` if given, else where `listen.*` says: its default
     (127.0.0.1:8000) or the environment's `SPECROUTE_LISTEN__HOST` (0.0.0.0 in a container)."""
@@ -147,7 +149,9 @@ async def serve_cluster(
             sock = _bind("127.0.0.1", 0)
             url = f"http://127.0.0.1:{sock.getsockname()[1]}"
             urls[pool.name][1].append(url)
-            apps.append((create_sim_app(profile, time_scale=time_scale), sock))
+            apps.append(
+                (create_sim_app(profile, time_scale=time_scale, prompt_tokens_details=prompt_tokens_details), sock)
+            )
             kind = "speculative" if profile.speculative else "standard"
             lines.append(f"  pool {pool.name}: {profile.name} engine, {kind}, {profile.nodes} nodes  {url}")
     # The router starts knowing what the simulated engines give: their calibrated speeds.

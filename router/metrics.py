@@ -171,6 +171,14 @@ class Metrics:
             ["result"],
             registry=registry,
         )
+        self.placements = Counter(
+            "specroute_prefix_placements",
+            "Requests placed in a pool, by whether they went to the backend most likely holding their prompt's "
+            "prefix (`prefix`), to another (`elsewhere`: it was past the load bound or full), or no backend there "
+            "held any of it (`new`).",
+            ["pool", "placed"],
+            registry=registry,
+        )
         self.reloads = Counter(
             "specroute_config_reloads",
             "Configuration reloads asked for (SIGHUP or /admin/reload), by result: applied or invalid.",

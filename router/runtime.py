@@ -38,6 +38,7 @@ from router.responses.affinity import ResponseAffinity
 from router.responses.locate import Locator
 from router.responses.owners import StoredResponses
 from router.routing.clients import Clients
+from router.routing.conversations import ConversationIndex
 from router.routing.learn import SpeedModel
 from router.traffic import TrafficRecorder
 from router.transport import AiohttpTransport, tls_context
@@ -105,6 +106,7 @@ class Router:
         observer = Observer(self.metrics, self.speeds, self.traffic)
         self.owners = ResponseAffinity()  # which backend made each stored response (Responses API)
         self.locator = Locator(self.transport)  # and which holds one this router never saw made
+        self.conversations = ConversationIndex()  # which backends hold which prompts' prefixes
         self.pipeline = Pipeline(
             pools=self.pools,
             clients=self.clients,
@@ -114,6 +116,7 @@ class Router:
             owners=StoredResponses(
                 pools=self.pools, owners=self.owners, locator=self.locator, observer=observer, clock=self.clock
             ),
+            conversations=self.conversations,
             clock=self.clock,
         )
         self.catalog = ModelCatalog(self.pools, self.transport, clock=self.clock)
@@ -198,6 +201,7 @@ class Router:
             priors={name: pool.prior_speed for pool in settings.pools.values() for name in pool.backends},
         )
         self.owners.configure(settings.responses)
+        self.conversations.configure(settings.conversations)
         self.traffic.configure(settings.traffic)
         self.locator.configure(settings.responses)
         self._configured_models = frozenset(

@@ -11,6 +11,7 @@ Nothing here does I/O or holds a clock: every reading of time comes in as `now`.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -33,6 +34,9 @@ class EngineLoad:
     kv_cache_tokens: float | None = None
     block_size: float | None = None
     model_len: float | None = None
+    # Requests that finished prefill since the previous scrape: their mean prompt tokens computed
+    # (not cached) and their mean seconds in prefill (vLLM's request_prefill_time_seconds).
+    prefill: tuple[float, float] | None = None
     scraped_at: float = 0.0  # clock seconds; 0 = never
     # This router's requests that the reading counts (EngineView.counted), still running when it
     # came back: none sent after the scrape was asked for, and maybe not all sent just before.
@@ -63,6 +67,7 @@ class EngineView:
         # requests of full length that fit, and the cache's size, block size and full length.
         self.stated = EngineLoad()
         self.acceptance: Acceptance | None = None
+        self.prefill = PrefillRate()
 
     def observe(self, reading: EngineLoad) -> None:
         """A new reading. The KV per request is kept from the last reading that had requests
@@ -74,6 +79,8 @@ class EngineView:
             self.stated = reading
         if reading.acceptance is not None:
             self.acceptance = Acceptance(reading.acceptance, reading.accept_length, reading.scraped_at)
+        if reading.prefill is not None:
+            self.prefill.observe(*reading.prefill)
 
     @property
     def stated_concurrency(self) -> float | None:
@@ -235,3 +242,38 @@ class EngineView:
         if self.acceptance is None or now - self.acceptance.measured_at > max_age:
             return None
         return self.acceptance.length
+
+
+class PrefillRate:
+    """Seconds an engine takes per prompt token it computes, learned from its own metrics.
+
+    Each scrape interval gives the mean tokens computed and the mean seconds in prefill of the
+    requests that finished prefill in it. The slope of the seconds over the tokens, fitted over
+    the last intervals, is the rate: a mean alone would charge every token a share of each
+    request's fixed cost, and price a long prompt as many short ones. Without enough spread
+    between the intervals' lengths to fit a slope, there is no rate.
+    """
+
+    SAMPLES = 64  # intervals kept
+    MIN_SPREAD = 2.0  # the longest mean prompt over the shortest, for a slope
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=self.SAMPLES)
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        if tokens > 0 and seconds >= 0 and math.isfinite(tokens) and math.isfinite(seconds):
+            self._samples.append((tokens, seconds))
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        samples = self._samples
+        if len(samples) < 4:
+            return None
+        xs = [x for x, _ in samples]
+        if max(xs) < self.MIN_SPREAD * min(xs):
+            return None
+        mean_x = sum(xs) / len(xs)
+        mean_y = sum(y for _, y in samples) / len(samples)
+        var = sum((x - mean_x) ** 2 for x in xs)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in samples) / var
+        return slope if slope > 0 else None

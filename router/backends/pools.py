@@ -191,11 +191,14 @@ class Pool:
         weight: float = 1.0,
         exclude: frozenset[str] = frozenset(),
         only: str | None = None,
+        prefer: str | None = None,
     ) -> Backend:
         """`client` and `weight`: who asks, for fair share. `exclude`: backends a retry must not
         go back to (none free among the others: fails at once). `only`: the one backend that may
         serve the request (router.affinity); it waits in the queue for a slot there, bounded like
-        any other, while the others keep flowing. Give the slot back with `release(client=...)`."""
+        any other, while the others keep flowing. `prefer`: the backend to take when it has a
+        free slot now (its prompt's prefix is cached there, router.conversations); else the
+        emptiest. Give the slot back with `release(client=...)`."""
         if not self.accepting:
             raise self._unavailable()
         if only is not None:
@@ -204,7 +207,7 @@ class Pool:
                 raise self._unavailable_owner(only)
         if only is not None or not self.queued() or exclude:
             # Pinned: a slot free on its backend is one no queued request could take (`wake`).
-            backend = self._take(exclude, only)
+            backend = self._take(exclude, only, prefer)
             if backend is not None:
                 self._hold(client)
                 return backend
@@ -315,13 +318,15 @@ class Pool:
         """Whether a healthy backend not in `exclude` has room now (for a retry)."""
         return any(b.has_room and b.name not in exclude for b in self.backends)
 
-    def _take(self, exclude: frozenset[str] = frozenset(), only: str | None = None) -> Backend | None:
+    def _take(
+        self, exclude: frozenset[str] = frozenset(), only: str | None = None, prefer: str | None = None
+    ) -> Backend | None:
         candidates = [
             b for b in self.backends if b.has_room and b.name not in exclude and (only is None or b.name == only)
         ]
         if not candidates:
             return None
-        backend = min(candidates, key=lambda b: b.load)
+        backend = next((b for b in candidates if b.name == prefer), None) or min(candidates, key=lambda b: b.load)
         backend.in_flight += 1
         backend.sent += 1
         return backend

@@ -15,6 +15,7 @@ vLLM and SGLang name these differently; both are read:
 | speculation | `vllm:spec_decode_num_{accepted_tokens,draft_tokens,drafts}_total` | `sglang:spec_accept_*` |
 | stated capacity | `vllm:cache_config_info{kv_cache_max_concurrency}` | (none) |
 | stated KV size | `vllm:cache_config_info{kv_cache_size_tokens,block_size,max_model_len}` | (none) |
+| prefill | `vllm:request_prefill_time_seconds`, `vllm:{prompt_tokens,prefix_cache_hits}_total` | (none) |
 
 The stated capacity (requests of full length that the KV cache holds; else `num_gpu_blocks` ×
 `block_size` ÷ `max_model_len` from the same labels) is the router's prior for the KV a request
@@ -52,6 +53,8 @@ _DRAFTS = "vllm:spec_decode_num_drafts_total"
 _ACCEPT_LENGTH = "sglang:spec_accept_length"
 _ACCEPT_RATE = "sglang:spec_accept_rate"
 _CACHE_INFO = "vllm:cache_config_info"
+_PREFILL_SECONDS = ("vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count")
+_PROMPT_TOKENS, _CACHE_HITS = "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total"
 
 logger = logging.getLogger("specroute.backends")
 
@@ -129,6 +132,7 @@ def engine_load(
     acceptance = _first(values, (_ACCEPT_RATE,), _mean) or acceptance
     waiting = _first(values, _WAITING, sum)
     before = _first(previous, _WAITING, sum) if previous is not None else None
+    prefill = _prefill(values, previous) if previous is not None else None
     return EngineLoad(
         running=_first(values, _RUNNING, sum),
         waiting=waiting,
@@ -141,8 +145,23 @@ def engine_load(
         kv_cache_tokens=_stated_kv_tokens(values),
         block_size=_first(values, (f"{_CACHE_INFO}:block_size",), min),
         model_len=_first(values, (f"{_CACHE_INFO}:max_model_len",), min),
+        prefill=prefill,
         scraped_at=now,
     )
+
+
+def _prefill(values: Mapping[str, list[float]], previous: Mapping[str, list[float]]) -> tuple[float, float] | None:
+    """The mean prompt tokens computed (not cached) and mean prefill seconds of the requests that
+    finished prefill since the previous scrape; None if none did, or a counter went back."""
+
+    def delta(name: str) -> float:
+        return sum(values.get(name, ())) - sum(previous.get(name, ()))
+
+    seconds, count = (delta(name) for name in _PREFILL_SECONDS)
+    computed = delta(_PROMPT_TOKENS) - delta(_CACHE_HITS)
+    if count < 1 or seconds < 0 or computed <= 0 or not values.get(_PROMPT_TOKENS):
+        return None
+    return computed / count, seconds / count
 
 
 class EngineScraper:

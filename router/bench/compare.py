@@ -19,18 +19,39 @@ from router.demo import LayoutName, layout, serve_cluster
 T = TypeVar("T")
 
 
-def _serve_layout(name: LayoutName, time_scale: float, routing_mode: str | None, ready: Any) -> None:
+def _serve_layout(
+    name: LayoutName, time_scale: float, routing_mode: str | None, environ: dict[str, str], details: bool, ready: Any
+) -> None:
     if routing_mode is not None:
         os.environ["SPECROUTE_ROUTING__MODE"] = routing_mode  # this child process's own environment
-    asyncio.run(serve_cluster(layout(name), port=0, time_scale=time_scale, on_ready=lambda url, banner: ready.put(url)))
+    os.environ.update(environ)
+    asyncio.run(
+        serve_cluster(
+            layout(name),
+            port=0,
+            time_scale=time_scale,
+            on_ready=lambda url, banner: ready.put(url),
+            prompt_tokens_details=details,
+        )
+    )
 
 
 @contextlib.contextmanager
-def running_layout(name: LayoutName, *, time_scale: float, routing_mode: str | None = None) -> Iterator[str]:
-    """A simulated layout and its router in a child process; yields the router's base URL."""
+def running_layout(
+    name: LayoutName,
+    *,
+    time_scale: float,
+    routing_mode: str | None = None,
+    environ: dict[str, str] | None = None,
+    prompt_tokens_details: bool = False,
+) -> Iterator[str]:
+    """A simulated layout and its router in a child process; yields the router's base URL.
+    `environ`: settings for its router (`SPECROUTE_*`); `prompt_tokens_details`: the engines'
+    usage says the prompt tokens they found cached."""
     context = multiprocessing.get_context("spawn")
     ready = context.Queue()
-    process = context.Process(target=_serve_layout, args=(name, time_scale, routing_mode, ready), daemon=True)
+    args = (name, time_scale, routing_mode, environ or {}, prompt_tokens_details, ready)
+    process = context.Process(target=_serve_layout, args=args, daemon=True)
     process.start()
     try:
         yield ready.get(timeout=60)

@@ -43,6 +43,7 @@ class Job:
     user: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     label: str = "all"
+    messages: tuple[dict[str, str], ...] = ()  # the chat to send; empty: one of the shipped prompts
 
 
 @dataclass(slots=True)
@@ -56,6 +57,7 @@ class Record:
     status: int = 0
     error: str | None = None
     pool: str | None = None
+    cached_tokens: int | None = None  # prompt tokens the engine found cached, where its usage says
 
     @property
     def ok(self) -> bool:
@@ -113,7 +115,7 @@ class Load:
         self._counter += 1
         body: dict[str, Any] = {
             "model": self.target.model,
-            "messages": [{"role": "user", "content": texts[self._counter % len(texts)]}],
+            "messages": list(job.messages) or [{"role": "user", "content": texts[self._counter % len(texts)]}],
             "max_tokens": job.max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -151,6 +153,9 @@ class Load:
                 record.error = watch.error
                 record.tokens = watch.completion_tokens or 0
                 record.prompt_tokens = prompt_tokens(watch.usage) or 0
+                details = (watch.usage or {}).get("prompt_tokens_details")
+                if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                    record.cached_tokens = details["cached_tokens"]
         except (TimeoutError, aiohttp.ClientError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         finally:

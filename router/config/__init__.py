@@ -11,7 +11,7 @@ from router.config.batch import Batch, Responses
 from router.config.connections import Health, Limits, Retries, Timeouts, Tls
 from router.config.fairness import Fairness, KeyGroup
 from router.config.pools import Backend, Pool
-from router.config.routing import PLACEHOLDER_KEYS, Classify, Learn, Match, Routing, Rule, Scrape
+from router.config.routing import PLACEHOLDER_KEYS, Classify, Conversations, Learn, Match, Routing, Rule, Scrape
 from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown, Traffic
 from router.config.settings import CONFIG_ENV, ConfigError, Settings, describe_errors, load_settings, masked
 
@@ -23,6 +23,7 @@ __all__ = [
     "Batch",
     "Classify",
     "ConfigError",
+    "Conversations",
     "Fairness",
     "Headers",
     "Health",

@@ -184,3 +184,78 @@ class Learn(Section):
         description="How many answers a pool's `prior_speed` counts as where a learned point is trusted "
         "(0: the prior is used only where nothing is trusted).",
     )
+
+
+class Conversations(Section):
+    """How a conversation's turns are kept where its prompt is cached (see Conversations)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Place a request on the backend most likely holding its prompt's prefix, and count the "
+        "prefill of the part a pool does not hold in the predicted first token that decides a spill. Off: every "
+        "request goes to the emptiest backend and spills on load alone.",
+    )
+    session_header: str = Field(
+        default="X-Session-ID",
+        description="The header that names a conversation (per client key and model); without it the prompt's "
+        "leading text does.",
+    )
+    block_chars: int = Field(
+        default=256,
+        ge=16,
+        le=65536,
+        description="Characters per hashed block of a prompt's leading text (about 64 tokens), as llm-d's "
+        "estimated prefix scorer cuts prompts without a tokenizer.",
+    )
+    max_blocks: int = Field(
+        default=512,
+        ge=1,
+        le=65536,
+        description="Leading blocks of a prompt hashed (512 × 256 characters: about 32,000 tokens); a longer "
+        "prompt's tail is not told apart.",
+    )
+    max_entries: int = Field(
+        default=200_000,
+        ge=1,
+        description="Prompt blocks remembered across all backends; past it the least recently placed go.",
+    )
+    max_conversations: int = Field(
+        default=50_000, ge=1, description="Conversations remembered; past it the least recently seen go."
+    )
+    max_age: float = Field(
+        default=1800.0,
+        gt=0,
+        description="Seconds after which a block placed on a backend is taken to be evicted there, and a "
+        "conversation not seen is forgotten.",
+    )
+    load_bound: int = Field(
+        default=4,
+        ge=0,
+        description="Requests more than the emptiest backend of its pool at which the backend holding a prompt's "
+        "prefix is passed over for the emptiest.",
+    )
+    long_tokens: int = Field(
+        default=2048,
+        ge=0,
+        description="Cached prompt tokens from which a conversation is long: it leaves the pool that holds them "
+        "only when its first token there is predicted past `routing.ttft_target`, and the other pool's, its "
+        "prefill counted, comes `min_gain` sooner.",
+    )
+    min_gain: float = Field(
+        default=0.3,
+        ge=0,
+        lt=1,
+        description="Share of the predicted first token a long conversation must gain to change pools.",
+    )
+    settle_seconds: float = Field(
+        default=60.0,
+        ge=0,
+        description="Seconds a conversation that changed pools stays in its new one (unless it becomes "
+        "unavailable): no turn-by-turn ping-pong.",
+    )
+    prefill_token_seconds: float = Field(
+        default=5e-5,
+        gt=0,
+        description="Seconds per prompt token prefilled, assumed for an engine until its own metrics "
+        "(`vllm:request_prefill_time_seconds` over the prompt tokens it computed) give its rate.",
+    )

@@ -15,7 +15,7 @@ from router.config.batch import Batch, Responses
 from router.config.connections import Health, Limits, Retries, Timeouts, Tls
 from router.config.fairness import Fairness
 from router.config.pools import Pool
-from router.config.routing import Classify, Learn, Routing, Scrape
+from router.config.routing import Classify, Conversations, Learn, Routing, Scrape
 from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown, Traffic
 from router.content import CONTENT_KINDS
 
@@ -30,6 +30,7 @@ class Settings(BaseSettings):
     headers: Headers = Headers()
     classify: Classify = Classify()
     routing: Routing = Routing()
+    conversations: Conversations = Conversations()
     timeouts: Timeouts = Timeouts()
     health: Health = Health()
     scrape: Scrape = Scrape()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from router.content import ContentKind, detect_kind, request_text
 from router.errors import BadRequest
 from router.request.incoming import Incoming
 from router.routing.classify import Classifier, RequestFacts, UnknownOverride
+from router.routing.conversations import Prompt
 from router.routing.policy import Decision, Policy, PoolState
 
 # Paths whose streams accept `stream_options.include_usage`.
@@ -28,6 +29,9 @@ class Routed:
     body: bytes  # what goes upstream
     drop_usage_chunk: bool  # the stream's usage chunk was asked for by the router, not the client
     backend: str | None = None  # the one backend that may serve it (router.affinity), if any
+    prefer: str | None = None  # the backend to take if it has a slot: its prompt's prefix is there
+    prompt: Prompt | None = None  # its conversation (router.conversations), noted where it is placed
+    held: Mapping[str, int] = field(default_factory=dict)  # prompt tokens each backend likely holds
 
 
 def decide(

@@ -187,6 +187,7 @@ class Forwarder:
             weight=plan.groups.weight(incoming.group),
             exclude=exclude,
             only=routed.backend,
+            prefer=None if route.count else routed.prefer,  # where its prompt's prefix is cached
         )
         now = self._clock.now()
         self._observer.queued(pool.name, route.decision, now - queued_at)

@@ -55,6 +55,7 @@ class Observer:
         self._queue_wait = Children(metrics.queue_wait)
         self._upstream_errors = Children(metrics.upstream_errors)
         self._locates = Children(metrics.locates)
+        self._placements = Children(metrics.placements)
         self._retries = Children(metrics.retries)
         self._ttft = Children(metrics.ttft)
         self._requests = Children(metrics.requests)
@@ -71,6 +72,11 @@ class Observer:
 
     def upstream_error(self, backend: Backend, kind: str) -> None:
         self._upstream_errors(backend.pool, backend.name, kind).inc()
+
+    def placed(self, pool: str, placed: str) -> None:
+        """A request with a prompt took a backend: the one holding its prefix (`prefix`), another
+        (`elsewhere`), or no backend of the pool held any of it (`new`)."""
+        self._placements(pool, placed).inc()
 
     def located(self, result: str) -> None:
         self._locates(result).inc()

@@ -18,10 +18,12 @@ upstream request).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from dataclasses import replace
 
 from starlette.types import Message, Receive, Scope, Send
 
-from router.backends.pools import Pools
+from router.backends.pools import Backend, Pools
 from router.clock import Clock
 from router.content import request_tokens
 from router.errors import RouterError, ShuttingDown
@@ -36,8 +38,9 @@ from router.request.plan import Plan
 from router.request.relay import Outcome, Progress, relay_stream, relay_whole
 from router.responses.owners import StoredResponses
 from router.routing.clients import Clients
+from router.routing.conversations import Cached, ConversationIndex, Prompt
 from router.routing.learn import SpeedModel
-from router.routing.policy import Decision
+from router.routing.policy import Decision, PoolState
 from router.routing.snapshot import snapshot
 from router.transport import TransportError
 
@@ -56,9 +59,11 @@ class Pipeline:
         forwarder: Forwarder,
         observer: Observer,
         owners: StoredResponses,
+        conversations: ConversationIndex,
         clock: Clock,
     ) -> None:
         self._pools = pools
+        self._conversations = conversations
         self._clients = clients
         self._speeds = speeds
         self._forwarder = forwarder
@@ -84,22 +89,33 @@ class Pipeline:
             try:
                 # Decision: a new client's first burst shows itself first, then where and why.
                 await self._clients.settle(incoming.client, new=new_client)
+                now = self._clock.now()
+                prompt = None  # its conversation, where one is to be placed
+                if plan.conversations.enabled and incoming.arrival.method == "POST":
+                    prompt = self._conversations.prompt(incoming.payload, incoming.headers, client=incoming.client)
+                cached = self._conversations.cached(prompt, now) if prompt is not None else None
+                pools = snapshot(
+                    self._pools,
+                    self._speeds,
+                    now=now,
+                    stale_after=plan.stale_after,
+                    kv_threshold=plan.routing.kv_threshold,
+                    acceptance_max_age=plan.acceptance_max_age,
+                    tokens=request_tokens(incoming.payload),
+                    cached=cached,
+                    load_bound=plan.conversations.load_bound,
+                    prefill_token_seconds=plan.conversations.prefill_token_seconds,
+                )
                 routed = decide(
                     incoming,
                     classifier=plan.classifier,
                     policy=plan.policy,
                     code_hints=plan.code_hints,
                     client_load=self._clients.load(incoming.client) - 1,  # the others, not this one
-                    pools=snapshot(
-                        self._pools,
-                        self._speeds,
-                        now=self._clock.now(),
-                        stale_after=plan.stale_after,
-                        kv_threshold=plan.routing.kv_threshold,
-                        acceptance_max_age=plan.acceptance_max_age,
-                        tokens=request_tokens(incoming.payload),
-                    ),
+                    pools=pools,
                 )
+                if prompt is not None and cached is not None:
+                    routed = _with_conversation(routed, pools, prompt, cached)
                 routed = await self._owners.route(incoming, routed, plan)  # a stored response: to its backend
                 self._observer.decided(routed.decision)
                 request.decision = routed.decision
@@ -171,6 +187,8 @@ class Pipeline:
         if not isinstance(result, Answer):
             request.noted(result.attempts)
             raise result.error
+        if routed.prompt is not None:
+            self._placed(routed, result.backend)
         try:
             headers = _route_headers(incoming.arrival, request)
             if result.content is not None:
@@ -216,6 +234,18 @@ class Pipeline:
             first_token=first_token,
             broken=broken,
         )
+
+    def _placed(self, routed: Routed, backend: Backend) -> None:
+        """Note where the conversation went, and whether that is where its prefix was."""
+        assert routed.prompt is not None
+        in_pool = {b.name: routed.held.get(b.name, 0) for b in self._pools[backend.pool].backends}
+        holder = max(in_pool, key=lambda name: in_pool[name], default=None)
+        if holder is None or not in_pool[holder]:
+            placed = "new"
+        else:
+            placed = "prefix" if in_pool.get(backend.name, 0) >= in_pool[holder] else "elsewhere"
+        self._observer.placed(backend.pool, placed)
+        self._conversations.placed(routed.prompt, backend=backend.name, pool=backend.pool, now=self._clock.now())
 
     def end_all(self) -> None:
         """End every request being served: at the end of a shutdown's grace period."""
@@ -292,6 +322,13 @@ class _Serving:
         if not self.cancelled:
             self.cancelled = True
             self.task.cancel()
+
+
+def _with_conversation(routed: Routed, pools: Mapping[str, PoolState], prompt: Prompt, cached: Cached) -> Routed:
+    """The decision with its conversation: the backend to prefer in its pool."""
+    state = pools.get(routed.decision.pool)
+    prefer = state.prefer if state is not None else None
+    return replace(routed, prefer=prefer, prompt=prompt, held=cached.held)
 
 
 async def _disconnected(receive: Receive) -> None:

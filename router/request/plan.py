@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.auth import Auth, KeyGroups
-from router.config import Retries, Routing, Settings
+from router.config import Conversations, Retries, Routing, Settings
 from router.routing.classify import Classifier
 from router.routing.clients import Placeholders
 from router.routing.policy import Policy
@@ -45,6 +45,7 @@ class Plan:
     batch_pool: str
     stale_after: float
     acceptance_max_age: float
+    conversations: Conversations
 
 
 def compile_plan(settings: Settings) -> Plan:
@@ -58,7 +59,9 @@ def compile_plan(settings: Settings) -> Plan:
             job_header=settings.headers.job,
             pools=frozenset(settings.pools),
         ),
-        policy=Policy(settings.routing, interactive_pool=interactive, batch_pool=batch),
+        policy=Policy(
+            settings.routing, interactive_pool=interactive, batch_pool=batch, conversations=settings.conversations
+        ),
         override_headers=frozenset({settings.headers.pool.lower(), settings.headers.job.lower()}),
         job_header=settings.headers.job.lower(),
         code_hints=tuple(settings.classify.code_hints),
@@ -79,4 +82,5 @@ def compile_plan(settings: Settings) -> Plan:
         batch_pool=batch,
         stale_after=settings.scrape.stale_after,
         acceptance_max_age=settings.scrape.acceptance_max_age,
+        conversations=settings.conversations,
     )

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from router.config import JobClass, Routing
+from router.config import Conversations, JobClass, Routing
 from router.content import ContentKind
 from router.routing.classify import Classification
 from router.routing.learn import Estimate
@@ -57,6 +57,12 @@ class PoolState:
     ttft: float | None = None
     # Predicted per-user tok/s for one more request, by content (adaptive mode; None: not learned).
     speed: Mapping[ContentKind, Estimate | None] = field(default_factory=dict)
+    # The request's conversation (router.conversations): the backend here most likely holding the
+    # longest prefix of its prompt, within the load bound, and the prompt tokens it holds.
+    prefer: str | None = None
+    held: int = 0
+    home: bool = False  # the conversation was last placed in this pool...
+    settled: bool = False  # ...having moved here lately
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +74,16 @@ class Decision:
 
 
 class Policy:
-    def __init__(self, routing: Routing, *, interactive_pool: str, batch_pool: str) -> None:
+    def __init__(
+        self,
+        routing: Routing,
+        *,
+        interactive_pool: str,
+        batch_pool: str,
+        conversations: Conversations | None = None,
+    ) -> None:
         self._config = routing
+        self._conversations = conversations or Conversations()
         self._speculative = interactive_pool
         self._standard = batch_pool
 
@@ -98,6 +112,10 @@ class Policy:
             return to(self._standard, f"spill:spec-{unavailable}") if standard_open else to(self._speculative)
         if self._config.mode == "static" or not standard_open:
             return to(self._speculative)
+        kept = self._conversation(spec, std)
+        if kept is not None:
+            pool, reason = kept
+            return to(pool, reason or classification.reason)
         waits = self._wait(spec)
         if waits is not None:
             # Spill only to where the first token comes sooner.
@@ -120,6 +138,29 @@ class Policy:
         if spec.concurrency + 1 > self._config.crossover[content] and std.concurrency <= spec.concurrency:
             return to(self._standard, "spill:past-crossover")
         return to(self._speculative)
+
+    def _conversation(self, spec: PoolState, std: PoolState) -> tuple[str, str | None] | None:
+        """Where a long conversation goes: the pool holding its cache, unless its first token
+        there is predicted past the target and the other pool's, its prefill counted, comes
+        `min_gain` sooner; and not again soon after a move. None: not a long conversation
+        (decided as any other request, its prefill counted in the predicted first tokens)."""
+        config = self._conversations
+        at_spec = spec.home and spec.held >= config.long_tokens
+        if not (at_spec or (std.home and std.held >= config.long_tokens)):
+            return None
+        home, here, other, there = (
+            (self._speculative, spec, self._standard, std)
+            if at_spec
+            else (self._standard, std, self._speculative, spec)
+        )
+        stay = None if home == self._speculative else "conversation:cached"
+        if here.settled or self._unavailable(there) is not None:
+            return home, stay
+        if here.ttft is None or here.ttft <= self._config.ttft_target or there.ttft is None:
+            return home, stay
+        if there.ttft < here.ttft * (1 - config.min_gain):
+            return other, "conversation:moved"
+        return home, stay
 
     @staticmethod
     def _unavailable(state: PoolState) -> str | None:

@@ -7,6 +7,7 @@ settings (router.plan). It reads the pools but changes nothing.
 from __future__ import annotations
 
 from router.backends.pools import Backend, Pool, Pools
+from router.routing.conversations import Cached
 from router.routing.learn import Predictions, SpeedModel
 from router.routing.policy import PoolState
 
@@ -23,9 +24,18 @@ def snapshot(
     kv_threshold: float,
     acceptance_max_age: float,
     tokens: int | None = None,
+    cached: Cached | None = None,
+    load_bound: int = 0,
+    prefill_token_seconds: float = 0.0,
 ) -> dict[str, PoolState]:
     """The live state of every pool, as the policy sees it for a request of `tokens` (its length
-    at its end, router.content; None: not known)."""
+    at its end, router.content; None: not known).
+
+    With `cached` (its conversation, router.conversations), the backend most likely holding the
+    longest prefix of its prompt is the pool's preferred one unless it is `load_bound` requests
+    busier than the pool's emptiest, and each backend's predicted first token includes the
+    prefill of the part of the prompt it does not hold, at its learned rate (else
+    `prefill_token_seconds`)."""
     # A pool that has measured no request yet takes the mean of those that have: the same model
     # and the same requests. An assumed constant would make it look many times slower or faster
     # than one that has, and decide the burst that arrives before it has finished one.
@@ -51,8 +61,8 @@ def snapshot(
         best = min(accepting, key=lambda b: (load[b.name] / b.max_concurrency, b.name))
         concurrency = load[best.name]
         gain = best.engine.accept_length(now, acceptance_max_age)
-        ttft = min(
-            predicted_ttft(
+        ttfts = {
+            b.name: predicted_ttft(
                 b,
                 pool,
                 now=now,
@@ -62,7 +72,16 @@ def snapshot(
                 unmeasured=unmeasured,
             )
             for b in accepting
-        )
+        }
+        prefer, held = None, 0
+        if cached is not None:
+            for b in accepting:
+                rate = b.engine.prefill.seconds_per_token or prefill_token_seconds
+                ttfts[b.name] += max(0, cached.tokens - cached.held.get(b.name, 0)) * rate
+            holder = max(accepting, key=lambda b: (cached.held.get(b.name, 0), -load[b.name]))
+            if cached.held.get(holder.name) and holder.has_room and load[holder.name] - concurrency <= load_bound:
+                prefer, held = holder.name, cached.held[holder.name]
+        ttft = ttfts[prefer] if prefer is not None else min(ttfts.values())
         states[pool.name] = PoolState(
             speculative=pool.speculative,
             concurrency=concurrency,
@@ -71,6 +90,10 @@ def snapshot(
             kv_usage=min(projected, default=None),  # the emptiest backend is where it would go
             ttft=ttft,
             speed=Predictions(speeds, best.name, concurrency + 1, gain=gain, fallback=not pool.speculative),
+            prefer=prefer,
+            held=held,
+            home=cached is not None and cached.home == pool.name,
+            settled=cached is not None and cached.settled,
         )
     return states
 

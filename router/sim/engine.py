@@ -40,6 +40,7 @@ class SimRequest:
     cached: int = 0  # prompt tokens found in the prefix cache at admission
     held: int = 0  # leading blocks this request holds in the cache
     prefilled: int = 0
+    scheduled_at: float | None = None  # when it was admitted
     generated: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -187,6 +188,7 @@ class Engine:
             self.waiting.popleft()
             self.reserved += need
             self.running.append(request)
+            request.scheduled_at = self.now
             if self.cache is not None:
                 self._look_up(request)
                 self.cache.fit(capacity - self.reserved)

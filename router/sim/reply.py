@@ -77,8 +77,10 @@ class Reply:
         model: str,
         request_id: str,
         on_first_token: Callable[[Generation], None],
+        cached_tokens: bool = False,
     ) -> None:
         self.params = params
+        self.cached_tokens = cached_tokens
         self.choices = choices
         self.model = model
         self.chat = params.chat
@@ -97,6 +99,7 @@ class Reply:
         request_id: str,
         seed: int,
         on_first_token: Callable[[Generation], None],
+        cached_tokens: bool = False,
     ) -> Reply:
         """Put the request's `n` choices (for each prompt) into the engine."""
         updates: asyncio.Queue[Update] = asyncio.Queue()
@@ -123,7 +126,15 @@ class Reply:
             if params.logprobs is not None:
                 logprobs = Logprobs(random.Random(f"{seed}:{generation.request.id}:logprobs"), params.logprobs)
             choices.append(_Choice(index, generation, _Plan(source, fixed, tool), logprobs))
-        return cls(params, choices, updates, model=model, request_id=request_id, on_first_token=on_first_token)
+        return cls(
+            params,
+            choices,
+            updates,
+            model=model,
+            request_id=request_id,
+            on_first_token=on_first_token,
+            cached_tokens=cached_tokens,
+        )
 
     @property
     def generations(self) -> list[Generation]:
@@ -224,7 +235,7 @@ class Reply:
             "choices": built,
             "service_tier": None,
             "system_fingerprint": None,
-            "usage": {**self._usage(), "prompt_tokens_details": None, "completion_tokens_details": None},
+            "usage": {"prompt_tokens_details": None, **self._usage(), "completion_tokens_details": None},
         }
         if self.chat:
             answer.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
@@ -274,10 +285,15 @@ class Reply:
 
     # -- counts and log-probabilities -------------------------------------------------------
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         completion = sum(choice.generation.request.generated for choice in self.choices)
         prompt = sum(self.params.prompts)
-        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                                 "completion_tokens": completion}  # fmt: skip
+        if self.cached_tokens:  # vLLM's --enable-prompt-tokens-details
+            cached = sum(choice.generation.request.cached for choice in self.choices[:: self.params.n])
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
     def _chat_logprobs(self, choice: _Choice, taken: list[str]) -> dict[str, Any] | None:
         if choice.logprobs is None:

@@ -34,13 +34,22 @@ from router.sim.reply import Reply
 from router.sim.runner import EngineRunner, Generation
 
 VERSION = "0.11.0+specroute-sim"
+PREFILL_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 
 
 def create_sim_app(
-    profile: Profile, *, time_scale: float = 1.0, seed: int = 0, embedding_size: int | None = None
+    profile: Profile,
+    *,
+    time_scale: float = 1.0,
+    seed: int = 0,
+    embedding_size: int | None = None,
+    prompt_tokens_details: bool = False,
 ) -> Starlette:
+    """`prompt_tokens_details`: usage says the prompt tokens found cached, as vLLM's
+    `--enable-prompt-tokens-details`."""
     runner = EngineRunner(profile, time_scale=time_scale, seed=seed)
     registry = CollectorRegistry()
     stats = _EngineStats(runner, profile.model)
@@ -59,6 +68,7 @@ def create_sim_app(
             request_id=_base_request_id(request, params.request_id),
             seed=seed,
             on_first_token=stats.first_token,
+            cached_tokens=prompt_tokens_details,
         )
         if params.stream:
             return StreamingResponse(_guarded(reply.stream(), runner, reply), media_type="text/event-stream")
@@ -190,20 +200,16 @@ class _EngineStats(Collector):
     def __init__(self, runner: EngineRunner, model: str) -> None:
         self._runner = runner
         self._model = model
-        self._ttft_counts = [0] * len(TTFT_BUCKETS)
-        self._ttft_sum = 0.0
-        self._ttft_n = 0
+        self._ttft = _Observed(TTFT_BUCKETS)
+        self._prefill = _Observed(PREFILL_BUCKETS)
 
     def first_token(self, generation: Generation) -> None:
         request = generation.request
         if request.first_token_at is None:
             return
-        ttft = request.first_token_at - request.arrival
-        self._ttft_sum += ttft
-        self._ttft_n += 1
-        for i, bound in enumerate(TTFT_BUCKETS):
-            if ttft <= bound:
-                self._ttft_counts[i] += 1
+        self._ttft.observe(request.first_token_at - request.arrival)
+        if request.scheduled_at is not None:
+            self._prefill.observe(request.first_token_at - request.scheduled_at)
 
     def collect(self) -> Iterator[Metric]:
         engine = self._runner.engine
@@ -234,15 +240,12 @@ class _EngineStats(Collector):
         )
         yield counter("vllm:request_success", "Count of successfully processed requests.", counters.finished)
         yield self._cache_config()
-        histogram = _histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            self._model,
-            self._ttft_counts,
-            self._ttft_sum,
-            self._ttft_n,
+        yield self._ttft.family(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", self._model
         )
-        yield histogram
+        yield self._prefill.family(
+            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", self._model
+        )
         yield GaugeMetricFamily(
             "specroute_sim_lag_seconds", "How far the simulation runs behind its time scale.", value=self._runner.lag
         )
@@ -293,9 +296,25 @@ class _EngineStats(Collector):
         return family
 
 
-def _histogram(name: str, doc: str, model: str, counts: list[int], total: float, n: int) -> Metric:
-    family = HistogramMetricFamily(name, doc, labels=["model_name"])
-    buckets = [(str(bound), float(count)) for bound, count in zip(TTFT_BUCKETS, counts, strict=True)]
-    buckets.append(("+Inf", float(n)))
-    family.add_metric([model], buckets, total)
-    return family
+class _Observed:
+    """A histogram's buckets, sum and count, exported as vLLM's (per `model_name`)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self._counts = [0] * len(bounds)
+        self._sum = 0.0
+        self._n = 0
+
+    def observe(self, value: float) -> None:
+        self._sum += value
+        self._n += 1
+        for i, bound in enumerate(self._bounds):
+            if value <= bound:
+                self._counts[i] += 1
+
+    def family(self, name: str, doc: str, model: str) -> Metric:
+        family = HistogramMetricFamily(name, doc, labels=["model_name"])
+        buckets = [(str(bound), float(count)) for bound, count in zip(self._bounds, self._counts, strict=True)]
+        buckets.append(("+Inf", float(self._n)))
+        family.add_metric([model], buckets, self._sum)
+        return family

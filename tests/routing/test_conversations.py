@@ -1,0 +1,143 @@
+"""Conversations: the estimated prefix index (bounded), and the policy for a long conversation."""
+
+from __future__ import annotations
+
+import tracemalloc
+from typing import Any
+
+import pytest
+
+from router.config import Conversations, Routing
+from router.routing.classify import Classification
+from router.routing.conversations import ConversationIndex, Prompt
+from router.routing.policy import Decision, Policy, PoolState
+
+INTERACTIVE = Classification("interactive", "default")
+HISTORY = " ".join(f"turn {i}: the harbour fog lifted over the quay and the boats went out." for i in range(200))
+
+
+def _chat(*texts: str, model: str = "glm") -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": t} for t in texts]}
+
+
+def _prompt(index: ConversationIndex, *texts: str, headers: dict[str, str] | None = None, **kw: Any) -> Prompt:
+    prompt = index.prompt(_chat(*texts, **kw), headers or {}, client="c1")
+    assert prompt is not None
+    return prompt
+
+
+def test_a_later_turn_finds_its_prefix_where_the_earlier_went() -> None:
+    index = ConversationIndex()
+    first = _prompt(index, HISTORY)
+    assert index.held(first, 0.0) == {}
+    index.placed(first, backend="fast-1", pool="fast", now=0.0)
+    later = _prompt(index, HISTORY, "And what did the harbour master say?")
+    held = index.held(later, 1.0)
+    assert set(held) == {"fast-1"}
+    assert held["fast-1"] == len(HISTORY) // 256 * 64  # whole blocks of its first message
+    assert later.key == first.key  # the same conversation, named by its leading text
+    # Another model, or a changed beginning, shares nothing.
+    assert index.held(_prompt(index, HISTORY, model="other"), 1.0) == {}
+    assert index.held(_prompt(index, "Hi. " + HISTORY), 1.0) == {}
+
+
+def test_a_block_counts_only_after_the_same_prefix_and_within_the_age() -> None:
+    index = ConversationIndex(Conversations(max_age=10))
+    prompt = _prompt(index, HISTORY)
+    index.placed(prompt, backend="a", pool="p", now=0.0)
+    index.placed(_prompt(index, HISTORY[:1000]), backend="b", pool="p", now=5.0)
+    held = index.held(prompt, 9.0)
+    assert held["b"] == 1000 // 256 * 64 < held["a"]
+    assert index.held(prompt, 14.0) == {"b": held["b"]}  # a's placement is too old now
+    assert index.held(prompt, 16.0) == {}
+
+
+def test_the_session_header_names_the_conversation_per_client_and_model() -> None:
+    index = ConversationIndex()
+    headers = {"x-session-id": "s1"}
+    one, two = _prompt(index, "first", headers=headers), _prompt(index, "a different text", headers=headers)
+    assert one.key == two.key
+    other_client = index.prompt(_chat("first"), headers, client="c2")
+    assert other_client is not None and other_client.key != one.key
+    assert _prompt(index, "first", headers=headers, model="m2").key != one.key
+
+
+def test_a_move_between_pools_is_remembered_and_settles() -> None:
+    index = ConversationIndex(Conversations(settle_seconds=60))
+    prompt = _prompt(index, HISTORY)
+    index.placed(prompt, backend="fast-1", pool="fast", now=0.0)
+    assert index.cached(prompt, 1.0).home == "fast" and not index.cached(prompt, 1.0).settled
+    index.placed(prompt, backend="team-1", pool="team", now=100.0)
+    assert index.cached(prompt, 101.0).settled and index.cached(prompt, 101.0).home == "team"
+    assert not index.cached(prompt, 161.0).settled
+
+
+def test_a_flood_of_distinct_prompts_and_sessions_stays_within_the_caps() -> None:
+    """Hostile: a client sending distinct prompts and session ids without end."""
+    index = ConversationIndex(Conversations(max_entries=5_000, max_conversations=500))
+    tracemalloc.start()
+    try:
+        for i in range(3_000):
+            prompt = index.prompt(_chat(f"{i} " + HISTORY[:3000]), {"x-session-id": f"s{i}"}, client="c")
+            assert prompt is not None
+            index.placed(prompt, backend="fast-1", pool="fast", now=float(i))
+            if i == 1_000:
+                settled, _ = tracemalloc.get_traced_memory()
+        grown, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(index) == 5_000 + 500
+    assert grown < settled * 1.2, (settled, grown)  # turned over, not grown
+    # The newest are kept; the first are gone.
+    assert prompt is not None
+    assert index.held(prompt, 3_000.0) == {"fast-1": len(HISTORY[:3000]) // 256 * 64}
+
+
+def test_a_prompt_past_max_blocks_hashes_only_its_beginning() -> None:
+    index = ConversationIndex(Conversations(max_blocks=4))
+    assert len(_prompt(index, HISTORY).blocks) == 4
+    assert _prompt(index, HISTORY).tokens == -(-len(HISTORY) // 4)
+
+
+def _decide(fast: PoolState, team: PoolState, **conversations: Any) -> Decision:
+    policy = Policy(
+        Routing(ttft_target=3.0),
+        interactive_pool="fast",
+        batch_pool="team",
+        conversations=Conversations(**conversations),
+    )
+    return policy.decide(INTERACTIVE, "prose", {"fast": fast, "team": team})
+
+
+LONG = 20_000
+
+
+@pytest.mark.parametrize(
+    ("fast", "team", "pool", "reason"),
+    [
+        # Home on the speculative pool, queueing there but its first token within the target: stays.
+        (PoolState(True, engine_queued=2, home=True, held=LONG, ttft=2.0), PoolState(False, ttft=5.5), "fast",
+         "default"),
+        # Past the target at home, and the standard pool (full prefill priced) no 30 % sooner: stays.
+        (PoolState(True, engine_queued=2, home=True, held=LONG, ttft=6.0), PoolState(False, ttft=5.5), "fast",
+         "default"),
+        # ...but much sooner there: moves.
+        (PoolState(True, engine_queued=9, home=True, held=LONG, ttft=30.0), PoolState(False, ttft=5.5), "team",
+         "conversation:moved"),
+        # Having just moved to the standard pool it stays there, even with the speculative pool free.
+        (PoolState(True, ttft=0.2), PoolState(False, home=True, settled=True, held=LONG, ttft=9.0), "team",
+         "conversation:cached"),
+        # Settled or not, it stays where its cache is while its first token there is in time.
+        (PoolState(True, ttft=0.2), PoolState(False, home=True, held=LONG, ttft=0.5), "team",
+         "conversation:cached"),
+        # A short conversation is decided as any request: the speculative pool queues, it spills.
+        (PoolState(True, engine_queued=2, home=True, held=500, ttft=6.0), PoolState(False, ttft=5.5), "team",
+         "spill:spec-queueing"),
+        # The home pool down: the other, whatever the settling.
+        (PoolState(True, ttft=0.2), PoolState(False, healthy=False, home=True, settled=True, held=LONG), "fast",
+         "default"),
+    ],
+)  # fmt: skip
+def test_a_long_conversation_stays_where_its_cache_is(fast: PoolState, team: PoolState, pool: str, reason: str) -> None:
+    decision = _decide(fast, team)
+    assert (decision.pool, decision.reason) == (pool, reason)
