@@ -64,6 +64,15 @@ def create_app(
         router.plan.auth.check_client(bearer(request.headers.get("authorization")))
         return JSONResponse({"object": "list", "data": await router.catalog.models()})
 
+    async def model(request: Request) -> Response:
+        router.plan.auth.check_client(bearer(request.headers.get("authorization")))
+        model_id = request.path_params["model"]
+        found = await router.catalog.model(model_id)
+        if found is None:  # as OpenAI words it
+            message = f"The model `{model_id}` does not exist or you do not have access to it."
+            raise NotFound(message, code="model_not_found")
+        return JSONResponse(found)
+
     async def router_status(request: Request) -> Response:
         view = status(router.plan, router.pools, router.speeds, now=router.clock.now())
         return JSONResponse({**view, "batches": batches.status()})
@@ -103,8 +112,8 @@ def create_app(
         assert isinstance(exc, RouterError)
         return error_response(exc)
 
-    # Before the catch-all: /v1/models, and /v1/files and /v1/batches with the Batch API, are the router's own.
-    own = [Route("/v1/models", models), *batches.routes()]
+    # Before the catch-all: /v1/models[/{id}], and /v1/files and /v1/batches with the Batch API, are the router's own.
+    own = [Route("/v1/models", models), Route("/v1/models/{model:path}", model), *batches.routes()]
     app = _RouterApp(
         proxy=router.pipeline,
         own=own,
@@ -117,7 +126,7 @@ def create_app(
             Route("/router/status", router_status),
             *admin_routes(router),
             *own,
-            # GET and DELETE too: models by id, stored responses (and files, batches without the Batch API).
+            # GET and DELETE too: stored responses (and files, batches without the Batch API).
             Route("/v1/{path:path}", _ProxyElsewhere(own, router.pipeline), methods=["GET", "POST", "DELETE"]),
         ],
         exception_handlers={HTTPException: http_error, RouterError: router_error},

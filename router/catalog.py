@@ -1,4 +1,5 @@
-"""`GET /v1/models`: the union of every backend's models, cached briefly.
+"""`GET /v1/models`: the union of every backend's models, cached briefly; `GET /v1/models/{id}`:
+one of them (vLLM serves no such route, so the router answers it from the same list).
 
 The names it last saw are also the values the metrics' `model` label may take, so it refreshes
 itself in the background (`run`) even when no client asks for the list.
@@ -41,6 +42,9 @@ class ModelCatalog:
                 self._cached = await self._fetch()
                 self._fetched_at = self._clock.now()
             return self._cached
+
+    async def model(self, model_id: str) -> dict[str, Any] | None:
+        return next((model for model in await self.models() if model["id"] == model_id), None)
 
     async def run(self, interval: float = REFRESH_SECONDS) -> None:
         """Learn the model names every `interval` (the first time is at start-up, in router.app)."""

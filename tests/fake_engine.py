@@ -104,7 +104,7 @@ class FakeEngine:
                 Route("/v1/responses/{id}/input_items", self._input_items, methods=["GET"]),
                 Route("/v1/audio/transcriptions", self._transcriptions, methods=["POST"]),
                 Route("/v1/models", self._models),
-                Route("/v1/models/{id:path}", self._model, methods=["GET"]),
+                Route("/v1/fine_tuning/jobs/{id}", self._job, methods=["GET"]),  # a GET the router forwards
                 Route("/health", self._health),
                 Route("/metrics", self._metrics),
                 Route("/stats", self._stats),
@@ -243,11 +243,9 @@ class FakeEngine:
         yield _event({**chunk, "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
 
-    async def _model(self, request: Request) -> Response:
+    async def _job(self, request: Request) -> Response:
         self._seen(request, await request.body())
-        if request.path_params["id"] != self.model:
-            return _not_found(f"The model `{request.path_params['id']}` does not exist.")
-        return JSONResponse({"id": self.model, "object": "model", "created": 0, "owned_by": "fake"})
+        return JSONResponse({"id": request.path_params["id"], "object": "fine_tuning.job", "model": self.model})
 
     async def _generate(self, request: Request) -> Response:
         body = await self._record(request)

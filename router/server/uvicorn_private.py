@@ -8,7 +8,9 @@ fails the day a name relied on here changes. Why: docs/architecture.md, "The lis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,12 @@ logger = logging.getLogger("specroute")
 # answer before the client reads it. So, like nginx's lingering close, the router stops writing,
 # reads and drops for at most this long, and then closes.
 _LINGER_SECONDS = 2.0
+
+# What the router keeps for a client beyond what the client's kernel has taken: at most this
+# much unsent in the kernel (TCP_NOTSENT_LOWAT), nothing in the loop's buffer. Past it, writing
+# pauses and `timeouts.client_write` runs, so a client that stops reading is found as soon as its
+# receive buffer is full, not after the megabytes a loopback or LAN socket's send buffer holds.
+_UNSENT_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +65,9 @@ class ClientProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        with contextlib.suppress(OSError, AttributeError):  # not TCP (a Unix socket): the loop's buffer only
+            transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, _UNSENT_BYTES)
+        transport.set_write_buffer_limits(high=0)  # any byte the kernel did not take pauses writing
         if len(self.connections) > self.client_limits.max_connections:
             # Refused before anything is parsed: the descriptor is back within _LINGER_SECONDS.
             cap = self.client_limits.max_connections

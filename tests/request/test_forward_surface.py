@@ -52,14 +52,31 @@ def _all_requests(cluster: Cluster) -> list[tuple[str, str]]:
 # -- GET and DELETE ----------------------------------------------------------------------------
 
 
-def test_models_retrieve_is_forwarded_and_the_list_stays_the_routers(cluster: Cluster) -> None:
+def test_models_retrieve_is_answered_from_the_routers_catalog(cluster: Cluster) -> None:
+    # vLLM serves no GET /v1/models/{id}: the router answers it from the list it keeps.
     client = _client(cluster)
     model = client.models.retrieve(MODEL)
-    assert model.id == MODEL and model.owned_by == "fake"
-    with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("no-such-model")  # the engine's own 404, passed on
-    assert [m.id for m in client.models.list()] == [MODEL]  # the router's union, not forwarded
-    assert _all_requests(cluster) == [("GET", "/v1/models/test-model"), ("GET", "/v1/models/no-such-model")]
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "fake")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.code == "model_not_found" and missing.value.type == "invalid_request_error"
+    assert "no-such-model" in missing.value.message
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert _all_requests(cluster) == []  # nothing forwarded
+
+
+@pytest.mark.anyio
+async def test_a_model_nobody_serves_is_404_in_openais_shape(cluster: Cluster) -> None:
+    raw = await _exchange(cluster.router.port, _raw_request("GET", "/v1/models/org/no-such-model"))
+    error = _error(raw, 404, "model_not_found")
+    assert error["type"] == "invalid_request_error" and "org/no-such-model" in error["message"]
+    _nothing_forwarded(cluster)
+
+
+def test_another_get_under_v1_is_forwarded(cluster: Cluster) -> None:
+    job = _client(cluster).fine_tuning.jobs.retrieve("ftjob-1")
+    assert (job.id, job.object) == ("ftjob-1", "fine_tuning.job")
+    assert _all_requests(cluster) == [("GET", "/v1/fine_tuning/jobs/ftjob-1")]
 
 
 # -- bodies that are not JSON -------------------------------------------------------------------
@@ -186,22 +203,22 @@ async def test_a_delete_with_a_body_is_forwarded_as_it_came(cluster: Cluster) ->
 
 @pytest.mark.anyio
 async def test_a_get_with_a_huge_query_is_forwarded_within_the_head_limit_and_431_past_it(cluster: Cluster) -> None:
-    target = "/v1/models/test-model?q=" + "a" * 12_000
+    target = "/v1/fine_tuning/jobs/ftjob-1?q=" + "a" * 12_000
     status, _, answer = _parse(await _exchange(cluster.router.port, _raw_request("GET", target)))
-    assert status == 200 and json.loads(answer)["id"] == MODEL
-    assert [seen.path for seen in cluster.fast.requests + cluster.team.requests] == ["/v1/models/test-model"]
+    assert status == 200 and json.loads(answer)["id"] == "ftjob-1"
+    assert [seen.path for seen in cluster.fast.requests + cluster.team.requests] == ["/v1/fine_tuning/jobs/ftjob-1"]
     cluster.fast.requests.clear()
     cluster.team.requests.clear()
-    over = "/v1/models/test-model?q=" + "a" * 70_000  # over the default 64 KiB request head
+    over = "/v1/fine_tuning/jobs/ftjob-1?q=" + "a" * 70_000  # over the default 64 KiB request head
     _error(await _exchange(cluster.router.port, _raw_request("GET", over)), 431, "request_head_too_large")
     _nothing_forwarded(cluster)
     _assert_unharmed(cluster)
 
 
 @pytest.mark.anyio
-async def test_a_get_under_v1_models_with_a_json_body_that_is_not_json_is_not_parsed(cluster: Cluster) -> None:
+async def test_a_forwarded_get_with_a_json_body_that_is_not_json_is_not_parsed(cluster: Cluster) -> None:
     # A GET's body is never read as JSON: no 400 invalid_json for what the router never looks at.
-    request = _raw_request("GET", "/v1/models/test-model", b"{{{", content_type="application/json")
+    request = _raw_request("GET", "/v1/fine_tuning/jobs/ftjob-1", b"{{{", content_type="application/json")
     status, _, _ = _parse(await _exchange(cluster.router.port, request))
     assert status == 200
     _assert_unharmed(cluster)

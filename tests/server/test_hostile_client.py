@@ -370,11 +370,14 @@ def test_forwarded_addresses_are_distinct_clients_only_from_a_trusted_proxy(
 
 
 class FloodEngine:
-    """An engine that streams 16 KB events as fast as its client takes them, for max_tokens events."""
+    """An engine that streams `size`-byte events, `pace` seconds apart (0: as fast as its client
+    takes them), for max_tokens events."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, size: int = 16_384, pace: float = 0.0) -> None:
         self.started = 0
         self.cancelled = 0
+        self._size = size
+        self._pace = pace
 
     def app(self) -> Starlette:
         return Starlette(
@@ -398,15 +401,25 @@ class FloodEngine:
                     "object": "chat.completion.chunk",
                     "created": 0,
                     "model": "test-model",
-                    "choices": [{"index": 0, "delta": {"content": "x" * 16_384}}],
+                    "choices": [{"index": 0, "delta": {"content": "x" * self._size}}],
                 }
                 yield f"data: {json.dumps(chunk)}\n\n"
-                await asyncio.sleep(0)  # as an engine waits for its next token: a cancel can land
+                await asyncio.sleep(self._pace)  # as an engine waits for its next token: a cancel can land
             yield "data: [DONE]\n\n"
             finished = True
         finally:
             if not finished:
                 self.cancelled += 1
+
+
+def _metric_sum(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """The sum over the series that carry these labels (whatever their others)."""
+    return sum(
+        sample.value
+        for metric in registry.collect()
+        for sample in metric.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 def test_a_client_that_stops_reading_is_cut_off_after_client_write_and_frees_its_slot() -> None:
@@ -439,13 +452,7 @@ def test_a_client_that_stops_reading_is_cut_off_after_client_write_and_frees_its
             )  # the first request was cancelled upstream
 
             def value(name: str, **labels: str) -> float:
-                """The sum over the series that carry these labels (whatever their others)."""
-                return sum(
-                    sample.value
-                    for metric in registry.collect()
-                    for sample in metric.samples
-                    if sample.name == name and labels.items() <= sample.labels.items()
-                )
+                return _metric_sum(registry, name, **labels)
 
             wait_until(
                 lambda: value("specroute_in_flight_requests", pool="fast", backend="fast-1") == 0,
@@ -465,6 +472,43 @@ def test_a_client_that_stops_reading_is_cut_off_after_client_write_and_frees_its
                     received += len(piece)
             assert received < 256 * 1024 * 1024
             reader.close()
+
+
+def test_clients_that_stop_reading_a_paced_stream_lose_their_slots_to_the_next_request() -> None:
+    # Tokens at an engine's pace fill a client's receive buffer in seconds, but the megabytes of
+    # a loopback socket's send buffer in minutes: the router must not wait for those to fill
+    # before it counts timeouts.client_write (it kept both slots past the queue timeout).
+    engine = FloodEngine(size=64, pace=0.004)
+    registry = CollectorRegistry()
+    with ServerThread(engine.app()) as upstream:
+        data = settings_data(upstream.url, upstream.url, timeouts={"client_write": 1})
+        for pool in data["pools"].values():
+            pool["queue_timeout"] = 20
+            next(iter(pool["backends"].values()))["max_concurrency"] = 2
+        app = create_app(Settings(**data), registry=registry)
+        with ServerThread(app, fast=True) as router:
+            pinned = {"x-route-pool": "fast"}
+            stalled = []
+            for _ in range(2):  # default receive buffers, never read
+                reader = socket.create_connection(("127.0.0.1", router.port))
+                reader.sendall(
+                    _request("/v1/chat/completions", _chat_body(stream=True, max_tokens=10**9), headers=pinned)
+                )
+                stalled.append(reader)
+            wait_until(lambda: engine.started == 2, timeout=10, message="both requests at the engine")
+
+            client = openai.OpenAI(
+                base_url=router.url + "/v1", api_key="k", max_retries=0, timeout=60, default_headers=pinned
+            )
+            stream = client.chat.completions.create(
+                model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+            )
+            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "x" * 64 * 3
+            wait_until(lambda: engine.cancelled == 2, timeout=10, message="both stalled requests cancelled upstream")
+            served = {"pool": "fast", "backend": "fast-1", "job_class": "interactive"}
+            assert _metric_sum(registry, "specroute_requests_total", **served, status="499") == 2
+            for reader in stalled:
+                reader.close()
 
 
 # -- the path, byte for byte -----------------------------------------------------------------
