@@ -32,7 +32,8 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
 
-from router.batch.queries import FILE_COLUMNS, POSTGRES, TABLES, Queries
+from router.batch.queries import Queries
+from router.batch.schema import FILE_COLUMNS, POSTGRES, TABLES
 from router.batch.store import FileRecord, StorageFull
 from router.errors import NoBackendAvailable
 

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from router.batch.queries import FILE_COLUMNS, SQLITE, TABLES, Queries
+from router.batch.queries import Queries
+from router.batch.schema import FILE_COLUMNS, SQLITE, TABLES
 from router.batch.store import FileRecord, StorageFull
 
 # The index the lines are taken by.
