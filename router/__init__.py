@@ -1,3 +1,3 @@
 """specroute: an OpenAI-compatible router for a speculative and a standard engine pool."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
