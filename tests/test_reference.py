@@ -49,18 +49,19 @@ def test_the_reference_has_a_row_for_every_setting() -> None:
 def _example_keys(text: str) -> set[str]:
     """The keys config/router.yaml sets, and those it shows commented out (`# key: value`), with
     the names of pools, backends and key groups as `*` and a list's items not looked into."""
-    uncommented = re.sub(r"^(\s*)# ?(?=[a-z_]+:(\s|$))", r"\1", text, flags=re.MULTILINE)
+    uncommented = re.sub(r"^(\s*)# (?=\s*[a-z_]+:(\s|$))", r"\1", text, flags=re.MULTILINE)
     keys: set[str] = set()
+    leaves = set(reference.leaves())
 
     def walk(node: object, prefix: str) -> None:
         if not isinstance(node, dict):
             return
         for name, value in node.items():
             key = f"{prefix}{name}"
-            if key in {"pools", "pools.*.backends", "fairness.groups"}:
+            if any(leaf.startswith(f"{key}.*.") for leaf in leaves):  # a map of sections, by name
                 for item in value.values():
                     walk(item, f"{key}.*.")
-            elif key in reference.leaves() or not isinstance(value, dict):
+            elif key in leaves or not isinstance(value, dict):
                 keys.add(key)
             else:
                 walk(value, f"{key}.")
