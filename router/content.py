@@ -76,6 +76,12 @@ _CHARS_PER_TOKEN = 4
 _ANSWER_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 
+def prompt_tokens(payload: Mapping[str, Any]) -> int:
+    """The prompt's tokens, estimated from its length (what a rate limit takes on arrival)."""
+    parts = _prompt_parts(payload)
+    return -(-(sum(map(len, parts)) + max(0, len(parts) - 1)) // _CHARS_PER_TOKEN)
+
+
 def request_tokens(payload: Mapping[str, Any]) -> int | None:
     """The tokens a request holds at its end, estimated: its prompt and the longest answers it
     allows (`n` of them). None when it sets no answer limit: the engine's own default is not known."""

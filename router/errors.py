@@ -9,6 +9,7 @@
     ├── RequestTimeout        408  the body did not arrive in time
     ├── PayloadTooLarge       413
     ├── HeadersTooLarge       431  the request head is too large, or has too many fields
+    ├── RateLimited           429  (+ Retry-After, x-ratelimit-*) over a key's limit
     ├── NoBackendAvailable    503  (+ Retry-After) queue full, queue wait over, pool down, too many connections
     └── UpstreamError         502  upstream unreachable or broken
         └── UpstreamTimeout   504
@@ -20,6 +21,7 @@ never become a RouterError. Pure: router.replies turns one into an HTTP response
 from __future__ import annotations
 
 import json
+import math
 
 
 class RouterError(Exception):
@@ -93,6 +95,27 @@ class PayloadTooLarge(RouterError):
 class HeadersTooLarge(RouterError):
     status_code = 431
     error_type = "invalid_request_error"
+
+
+class RateLimited(RouterError):
+    """Over a limit of `fairness`: OpenAI's 429, its `type` the limit's kind (`requests`,
+    `tokens`), with the waits its SDK reads (`retry-after-ms`, then `Retry-After`) and the
+    client's `x-ratelimit-*` headers."""
+
+    status_code = 429
+
+    def __init__(self, message: str, *, kind: str, retry_after: float, headers: dict[str, str]) -> None:
+        super().__init__(message, code="rate_limit_exceeded")
+        self.error_type = kind
+        self.retry_after = retry_after
+        self._headers = headers
+
+    def headers(self) -> dict[str, str]:
+        return {
+            **self._headers,
+            "Retry-After": str(max(1, math.ceil(self.retry_after))),
+            "retry-after-ms": str(max(1, math.ceil(self.retry_after * 1000))),
+        }
 
 
 class NoBackendAvailable(RouterError):

@@ -40,6 +40,7 @@ from router.responses.owners import StoredResponses
 from router.routing.clients import Clients
 from router.routing.conversations import ConversationIndex
 from router.routing.learn import SpeedModel
+from router.routing.limits import Limiter
 from router.traffic import TrafficRecorder
 from router.transport import AiohttpTransport, tls_context
 from router.version import BuildInfo, build_info
@@ -102,6 +103,7 @@ class Router:
         # Its TLS context trusts nothing until `apply` gives it the configured one.
         self.transport = AiohttpTransport(connections_per_origin=1, tls=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
         self.clients = Clients(clock=self.clock)
+        self.limiter = Limiter()  # its counters outlive a reload
         self.traffic = TrafficRecorder(clock=self.clock)
         observer = Observer(self.metrics, self.speeds, self.traffic)
         self.owners = ResponseAffinity()  # which backend made each stored response (Responses API)
@@ -117,6 +119,7 @@ class Router:
                 pools=self.pools, owners=self.owners, locator=self.locator, observer=observer, clock=self.clock
             ),
             conversations=self.conversations,
+            limiter=self.limiter,
             clock=self.clock,
         )
         self.catalog = ModelCatalog(self.pools, self.transport, clock=self.clock)
@@ -190,6 +193,7 @@ class Router:
             if new is not None and new is not old and not new.draining:
                 _log_drain(new, "a reload configured it anew (another URL or pool), the drain is not kept")
         self.clients.configure(settings.classify)
+        self.limiter.configure(settings.fairness)
         # Timeouts and limits go with each request (the plan), so they reach pooled connections too.
         self.transport.configure(connections_per_origin=_connections_per_origin(self.pools), tls=tls)
         self.metrics.configure(settings.scrape, top_clients=settings.fairness.top_clients)

@@ -56,7 +56,7 @@ BASE: dict[str, Any] = {
         "team": {"speculative": False, "backends": {"t1": {"url": "http://127.0.0.1:2"}}},
     },
     "classify": {"rules": [], "client_memory_seconds": 10},
-    "fairness": {"groups": {"g": {"keys_env": "SPECROUTE_TEST_GROUP_KEYS"}}},
+    "fairness": {"groups": {"g": {"keys_env": "SPECROUTE_TEST_GROUP_KEYS", "max_in_flight": 100}}},
 }
 
 
@@ -83,6 +83,12 @@ def _classify(router: Router, headers: dict[str, str] | None = None, **facts: An
 def _route(router: Router, job: str = "interactive", *, spec: PoolState, std: PoolState) -> str:
     decision = router.plan.policy.decide(Classification(job, "default"), "prose", {"fast": spec, "team": std})  # type: ignore[arg-type]
     return decision.pool
+
+
+def _limits(router: Router, group: str | None) -> Any:
+    """The limits a request of key `k` in `group` is held to, and what it counts against."""
+    admitted = router.limiter.admit(client="key:k addr:a", key="k", group=group, prompt_tokens=1, now=0.0)
+    return (admitted.subject, admitted.quota) if admitted is not None else None
 
 
 def _raised(call: Callable[[], Any]) -> str | None:
@@ -254,6 +260,13 @@ RELOADABLE: dict[str, tuple[Any, Observe | WithEngine]] = {
     "fairness.top_clients": (3, lambda r: r.plan.top_clients),
     "fairness.groups.*.keys_env": ("SPECROUTE_TEST_CLIENT_KEYS", lambda r: r.plan.groups.of("client-key")),
     "fairness.groups.*.weight": (3.0, lambda r: r.plan.groups.weight("g")),
+    "fairness.groups.*.shared": (True, lambda r: _limits(r, "g")),
+    "fairness.groups.*.requests_per_minute": (5, lambda r: _limits(r, "g")),
+    "fairness.groups.*.tokens_per_minute": (500, lambda r: _limits(r, "g")),
+    "fairness.groups.*.max_in_flight": (5, lambda r: _limits(r, "g")),
+    "fairness.default_limits.requests_per_minute": (5, lambda r: _limits(r, None)),
+    "fairness.default_limits.tokens_per_minute": (500, lambda r: _limits(r, None)),
+    "fairness.default_limits.max_in_flight": (5, lambda r: _limits(r, None)),
     "routing.interactive_pool": ("team", lambda r: _route(r, spec=IDLE, std=IDLE)),
     "routing.batch_pool": ("fast", lambda r: _route(r, "batch", spec=IDLE, std=IDLE)),
     "routing.mode": ("static", lambda r: _route(r, spec=PAST_CROSSOVER, std=PoolState(speculative=False))),

@@ -9,7 +9,7 @@ Every field carries its description: docs/reference/settings.md is generated fro
 from router.config.base import JobClass
 from router.config.batch import Batch, Responses
 from router.config.connections import Health, Limits, Retries, Timeouts, Tls
-from router.config.fairness import Fairness, KeyGroup
+from router.config.fairness import Fairness, KeyGroup, Quota
 from router.config.pools import Backend, Pool
 from router.config.routing import PLACEHOLDER_KEYS, Classify, Conversations, Learn, Match, Routing, Rule, Scrape
 from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown, Traffic
@@ -36,6 +36,7 @@ __all__ = [
     "Match",
     "MetricsConfig",
     "Pool",
+    "Quota",
     "Responses",
     "Retries",
     "Routing",

@@ -7,8 +7,29 @@ from pydantic import Field
 from router.config.base import Section
 
 
-class KeyGroup(Section):
-    """Clients that share a weight: the keys in one environment variable."""
+class Quota(Section):
+    """Limits on one client, one key or one key group; unset: no limit."""
+
+    requests_per_minute: int | None = Field(
+        default=None, ge=1, description="Requests a minute; past it, 429 `rate_limit_exceeded` (type `requests`)."
+    )
+    tokens_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens a minute, the prompt's (estimated on arrival, then as the engine counts it) and the "
+        "answer's (once known); past it, 429 `rate_limit_exceeded` (type `tokens`).",
+    )
+    max_in_flight: int | None = Field(
+        default=None, ge=1, description="Requests in flight at once; one more: 429 `rate_limit_exceeded`."
+    )
+
+    @property
+    def limited(self) -> bool:
+        return any(v is not None for v in (self.requests_per_minute, self.tokens_per_minute, self.max_in_flight))
+
+
+class KeyGroup(Quota):
+    """Clients that share a weight and limits: the keys in one environment variable."""
 
     keys_env: str = Field(
         description="Name of the environment variable holding the group's API keys (comma-separated), never the "
@@ -19,6 +40,10 @@ class KeyGroup(Section):
         gt=0,
         description="The group's clients' share of a contended pool against others: a client of weight 2 is "
         "admitted as if it held half the slots it holds.",
+    )
+    shared: bool = Field(
+        default=False,
+        description="The group's limits hold for all its keys together (true) or for each key on its own (false).",
     )
 
 
@@ -38,5 +63,9 @@ class Fairness(Section):
         "by name (a hash); the rest are summed as `others`.",
     )
     groups: dict[str, KeyGroup] = Field(
-        default={}, description="Groups of API keys by name, each with its weight in the fair share."
+        default={}, description="Groups of API keys by name, each with its weight in the fair share and its limits."
+    )
+    default_limits: Quota = Field(
+        default=Quota(),
+        description="Limits on each client in no group (each its own: a key, a `user`, an address).",
     )

@@ -37,6 +37,7 @@ class Incoming:
     # audio) or a GET or DELETE: those are forwarded byte for byte, classified by headers alone.
     payload: Mapping[str, Any]
     group: str | None = None  # the key group of `fairness.groups` its key is in, if any
+    internal: bool = False  # the router's own request (a Batch API line): no client limits
 
     @property
     def stream(self) -> bool:

@@ -39,7 +39,8 @@ async def accept(arrival: Arrival, scope: Scope, receive: Receive, plan: Plan) -
     _check_path(arrival.path)
     headers = arrival.headers
     api_key = bearer(headers.get("authorization"))
-    if scope.get(INTERNAL_SCOPE_KEY) is not True:  # the router's own batch lines are trusted
+    internal = scope.get(INTERNAL_SCOPE_KEY) is True
+    if not internal:  # the router's own batch lines are trusted
         plan.auth.check_client(api_key)  # before the body is read
         refused = {
             name for name in plan.override_headers if name in headers and not plan.auth.may_override(api_key, name)
@@ -55,7 +56,7 @@ async def accept(arrival: Arrival, scope: Scope, receive: Receive, plan: Plan) -
     # Any key but a placeholder tells clients apart; a configured client key always does.
     identity = api_key if api_key is not None and (plan.auth.required or api_key not in plan.placeholders) else None
     client = client_id(identity, user, address)
-    return Incoming(arrival, headers, api_key, client, body, payload, group=plan.groups.of(api_key))
+    return Incoming(arrival, headers, api_key, client, body, payload, group=plan.groups.of(api_key), internal=internal)
 
 
 def peer(scope: Scope) -> str | None:

@@ -25,7 +25,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from router.backends.pools import Backend, Pools
 from router.clock import Clock
-from router.content import request_tokens
+from router.content import prompt_tokens, request_tokens
 from router.errors import RouterError, ShuttingDown
 from router.replies import error_response
 from router.request import ingress
@@ -40,6 +40,7 @@ from router.responses.owners import StoredResponses
 from router.routing.clients import Clients
 from router.routing.conversations import Cached, ConversationIndex, Prompt
 from router.routing.learn import SpeedModel
+from router.routing.limits import Admitted, Limiter
 from router.routing.policy import Decision, PoolState
 from router.routing.snapshot import snapshot
 from router.transport import TransportError
@@ -60,6 +61,7 @@ class Pipeline:
         observer: Observer,
         owners: StoredResponses,
         conversations: ConversationIndex,
+        limiter: Limiter,
         clock: Clock,
     ) -> None:
         self._pools = pools
@@ -69,6 +71,7 @@ class Pipeline:
         self._forwarder = forwarder
         self._observer = observer
         self._owners = owners
+        self._limiter = limiter
         self._clock = clock
         self.plan: Plan | None = None  # set by Router.apply, swapped whole on a reload
         self._serving: set[_Serving] = set()  # one per request being served
@@ -82,9 +85,17 @@ class Pipeline:
         try:
             # Ingress: the client's key, the body within its limits, the JSON.
             incoming = await ingress.accept(arrival, scope, receive, plan)
-            self._clients.proxies.check(
-                scope["client"][0] if scope.get("client") else None, incoming.headers.get("x-forwarded-for")
-            )
+            # A proxy the router does not trust makes its users one client: said once per proxy.
+            self._clients.proxies.check(ingress.peer(scope), incoming.headers.get("x-forwarded-for"))
+            # Limits: within its key's (or group's) rates and requests in flight, or 429.
+            if not incoming.internal:
+                request.limits = self._limiter.admit(
+                    client=incoming.client,
+                    key=incoming.api_key,
+                    group=incoming.group,
+                    prompt_tokens=prompt_tokens(incoming.payload),
+                    now=self._clock.now(),
+                )
             new_client = self._clients.start(incoming.client)
             try:
                 # Decision: a new client's first burst shows itself first, then where and why.
@@ -139,7 +150,15 @@ class Pipeline:
                 await _send_error(send, error, _route_headers(arrival, request))
             raise
         finally:
-            # Observation: whatever became of it.
+            # Observation: whatever became of it; its tokens counted against its limits.
+            if request.limits is not None:
+                outcome = request.outcome
+                self._limiter.finish(
+                    request.limits,
+                    prompt_tokens=outcome.prompt_tokens if outcome is not None else None,
+                    answer_tokens=outcome.tokens if outcome is not None else None,
+                    now=self._clock.now(),
+                )
             self._observer.finished(self._finished(arrival, incoming, request, plan))
 
     async def _serve_until_disconnect(
@@ -340,7 +359,7 @@ async def _disconnected(receive: Receive) -> None:
 class _Record:
     """What became of one request so far: filled in as it goes, read once at its end."""
 
-    __slots__ = ("attempts", "code", "decision", "outcome", "progress", "status")
+    __slots__ = ("attempts", "code", "decision", "limits", "outcome", "progress", "status")
 
     def __init__(self) -> None:
         self.decision: Decision | None = None
@@ -349,6 +368,7 @@ class _Record:
         self.progress = Progress()
         self.status = 0  # set when the router answered or ended the request itself
         self.code: str | None = None
+        self.limits: Admitted | None = None  # within the limits of its key or group, if any apply
 
     def noted(self, attempts: Attempts) -> None:
         self.attempts = attempts
@@ -357,6 +377,8 @@ class _Record:
 
 def _route_headers(arrival: Arrival, request: _Record) -> dict[str, str]:
     headers = {"x-request-id": arrival.request_id}
+    if request.limits is not None:
+        headers.update(request.limits.headers)  # OpenAI's x-ratelimit-*: where its limits stood
     if request.decision is not None:
         headers["x-route-pool"] = request.decision.pool
         headers["x-job-type"] = request.decision.job

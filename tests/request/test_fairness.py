@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from router.clock import ManualClock
 from tests.conftest import Cluster
 from tests.wait import until
 
@@ -174,3 +175,52 @@ def test_status_and_metrics_show_the_top_clients_of_a_contended_pool(make_cluste
         assert len(series) == 2, series
         assert f'client="{top["client"]}",pool="fast"}} {top["slots"]}.0' in "\n".join(series)
         assert cluster.metric("specroute_client_slots", pool="fast", client="others") == 0  # all served: none left
+
+
+def test_over_a_limit_is_429_with_openais_headers_and_the_sdk_retries(
+    make_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECROUTE_TEST_TEAM_KEYS", "sk-team-a,sk-team-b")
+    limits = {"groups": {"team": {"keys_env": "SPECROUTE_TEST_TEAM_KEYS", "requests_per_minute": 60}}}
+    clock = ManualClock()  # the minute moves only when the test moves it
+    with make_cluster(fairness=limits, live_clock=clock) as cluster:
+        messages: Any = [{"role": "user", "content": "hi"}]
+        with openai.OpenAI(base_url=cluster.base_url, api_key="sk-team-a", max_retries=0) as plain:
+            first = plain.chat.completions.with_raw_response.create(model="test-model", messages=messages)
+            assert first.headers["x-ratelimit-limit-requests"] == "60"
+            assert first.headers["x-ratelimit-remaining-requests"] == "59"
+            assert first.headers["x-ratelimit-reset-requests"] == "1s"
+            for _ in range(59):
+                plain.chat.completions.create(model="test-model", messages=messages, max_tokens=1)
+            with pytest.raises(openai.RateLimitError) as refused:
+                plain.chat.completions.create(model="test-model", messages=messages)
+        error = refused.value
+        assert error.code == "rate_limit_exceeded" and error.type == "requests"
+        assert error.response.headers["x-ratelimit-remaining-requests"] == "0"
+        assert error.response.headers["retry-after"] == "1"
+        assert error.response.headers["retry-after-ms"] == "1000"
+        assert error.response.headers["x-ratelimit-reset-requests"] == "1m0s"
+        seen = len(cluster.fast.requests) + len(cluster.team.requests)
+        assert seen == 60  # the refused one was not forwarded
+        # Another key of the group has its own minute.
+        with openai.OpenAI(base_url=cluster.base_url, api_key="sk-team-b") as other:
+            other.chat.completions.create(model="test-model", messages=messages, max_tokens=1)
+
+        # The SDK with its retries waits as told (retry-after-ms, 1 s) and gets through: the
+        # router's minute moves on by that second when the 429 reaches the client.
+        def on_response(response: Any) -> None:  # the SDK's own httpx (httpx2)
+            if response.status_code == 429:
+                clock.advance(float(response.headers["retry-after-ms"]) / 1000)
+
+        http = openai.DefaultHttpxClient(event_hooks={"response": [on_response]})
+        with openai.OpenAI(base_url=cluster.base_url, api_key="sk-team-a", max_retries=2, http_client=http) as retrying:
+            answer = retrying.chat.completions.with_raw_response.create(model="test-model", messages=messages)
+        assert answer.retries_taken == 1
+        assert answer.parse().choices
+        refused_count = sum(
+            sample.value
+            for family in cluster.registry.collect()
+            for sample in family.samples
+            if sample.name == "specroute_requests_total" and sample.labels.get("code") == "rate_limit_exceeded"
+        )
+        assert refused_count == 2  # the one refused above, and the one the SDK retried
