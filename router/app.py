@@ -145,7 +145,7 @@ class _RouterApp(Starlette):
     """Starlette, except that a request the proxy forwards goes to it directly.
 
     Starlette's middleware (its 500 guard, the exception handlers) and its routing cost a share
-    of the router's time per request (issue 13) and do nothing for a forwarded request: the
+    of the router's time per request and do nothing for a forwarded request: the
     pipeline reads the request id, checks the limits, answers its errors in OpenAI's shape,
     guards against its own bugs and writes the access log itself. Everything else (the router's
     own endpoints, /v1/models, the Batch API's /v1/files and /v1/batches, other methods, a mounted

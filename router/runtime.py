@@ -36,7 +36,7 @@ from router.request.pipeline import Pipeline
 from router.request.plan import Plan, compile_plan
 from router.responses.affinity import ResponseAffinity
 from router.responses.locate import Locator
-from router.responses.owners import StoredResponses
+from router.responses.stage import StoredResponses
 from router.routing.clients import Clients
 from router.routing.conversations import ConversationIndex
 from router.routing.learn import SpeedModel

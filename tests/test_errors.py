@@ -167,7 +167,7 @@ def test_interactive_work_spills_off_a_dead_speculative_pool(make_cluster: Any) 
 
 
 def test_a_bug_on_the_request_path_is_answered_as_an_openai_error(cluster: Cluster) -> None:
-    """A forwarded request goes to the pipeline past Starlette's middleware (issue 13), so the
+    """A forwarded request goes to the pipeline past Starlette's middleware, so the
     pipeline itself answers its own bugs: a 500 in OpenAI's shape (Starlette's was plain text),
     and the exception goes on to the server to be logged. Here the server's `receive` breaks."""
 

@@ -160,13 +160,13 @@ def test_the_parts_take_their_own_sections_not_the_settings() -> None:
 @pytest.mark.parametrize("module", [m for m in MODULES if _under(m, ("router.batch",))])
 def test_the_batch_parts_take_their_section_from_apply(module: str) -> None:
     """The Batch API's section reaches its parts by `configure` from `Router.apply`, as every
-    other part's does; it once went as an attribute of the Router (`router.batch`), read there."""
+    other part's does, never as an attribute read off the Router (`router.batch`)."""
     tree = ast.parse(MODULES[module].read_text())
     assert [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "batch"] == []
 
 
 def test_no_module_of_the_package_imports_itself_back() -> None:
-    """No import cycle, not even one for type checking only (pools <-> scrape was one): each
+    """No import cycle, not even one for type checking only : each
     part can be read, and tested, from the bottom up."""
     graph = {module: {name for name in _imports(module) if name in MODULES and name != module} for module in MODULES}
     cycles = {tuple(sorted((a, b))) for a in graph for b in graph[a] if a in _reach_in(graph, b)}

@@ -542,7 +542,7 @@ def test_a_reload_reaches_a_running_batch_runner(tmp_path: Path) -> None:
 
 def test_the_router_keeps_no_section_of_its_own() -> None:
     """Every section goes to the part that uses it, through `apply`: nothing reads one off the
-    Router (the Batch API's section once went as `router.batch`, read by service and runner)."""
+    Router (as `router.batch` would be, read by the Batch API's service and runner)."""
     router = _router(Settings.model_validate(_engine_at(BASE, "http://127.0.0.1:1")))
     held = {name for name, value in vars(router).items() if isinstance(value, BaseModel)}
     assert held == {"_settings"}  # the settings last applied, for the restart-only sections

@@ -1,31 +1,6 @@
-"""Reading what the engines say about their own load from their `/metrics` (into router.engines).
-
-The router's own in-flight counts stay the primary signal: scraped gauges lag by a scrape
-interval and the engine's own update period. What scraping adds is the load that other clients
-and other router replicas put on the same engine, whether requests wait inside the engine, how
-full its KV cache is, and how well its speculation is guessing right now.
-
-vLLM and SGLang name these differently; both are read:
-
-| figure | vLLM | SGLang |
-|---|---|---|
-| running | `vllm:num_requests_running` | `sglang:num_running_reqs` |
-| waiting | `vllm:num_requests_waiting` | `sglang:num_queue_reqs` |
-| KV usage (0..1) | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `sglang:token_usage` |
-| speculation | `vllm:spec_decode_num_{accepted_tokens,draft_tokens,drafts}_total` | `sglang:spec_accept_*` |
-| stated capacity | `vllm:cache_config_info{kv_cache_max_concurrency}` | (none) |
-| stated KV size | `vllm:cache_config_info{kv_cache_size_tokens,block_size,max_model_len}` | (none) |
-| prefill | `vllm:request_prefill_time_seconds`, `vllm:{prompt_tokens,prefix_cache_hits}_total` | (none) |
-
-The stated capacity (requests of full length that the KV cache holds; else `num_gpu_blocks` ×
-`block_size` ÷ `max_model_len` from the same labels) is the router's prior for the KV a request
-takes when the request's length is not known, until it has seen the engine loaded. The stated
-size (else `num_gpu_blocks` × `block_size`) turns a request's own length into the KV it holds at
-its end (router.engines).
-
-An engine with several ranks (data parallel) exports a series per rank: counts are summed,
-the KV usage is the highest, and the speculation figures are averaged.
-"""
+"""Reading what the engines say about their own load from their `/metrics` (into
+router.backends.engines): vLLM's and SGLang's names, a series per rank summed. The figures read:
+docs/architecture.md, "What the engines say"."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from router.request.observe import Finished, Observer
 from router.request.payload import ClientGone
 from router.request.plan import Plan
 from router.request.relay import Outcome, Progress, relay_stream, relay_whole
-from router.responses.owners import StoredResponses
+from router.responses.stage import StoredResponses
 from router.routing.clients import Clients
 from router.routing.conversations import Cached, ConversationIndex, Prompt
 from router.routing.learn import SpeedModel
@@ -167,8 +167,8 @@ class Pipeline:
         """Serve the request, cancelling everything (queue wait, upstream) if the client leaves.
 
         One plain task waits for the disconnect and cancels the serving task, which is this one:
-        no task group and no cancel scope per request (anyio's cost a fifth of the router's
-        time per request at saturation in the profile of issue 13)."""
+        no task group and no cancel scope per request (they cost a fifth of the router's time per
+        request at saturation)."""
         task = asyncio.current_task()
         assert task is not None
         serving = _Serving(task)

@@ -1,39 +1,6 @@
-"""Per-user speed against concurrency, learned online from what the router measures.
-
-Each finished stream gives one observation: the backend, the content kind, how many requests
-the backend was serving when it started, the tokens per second its user saw after the first
-token, and how many tokens that was. Observations are kept per concurrency as a weighted mean
-and variance: weighted by tokens (a long answer measures the speed better than a short one),
-and fading with age (an observation's weight halves every `half_life` seconds of the clock).
-Answers shorter than `SHORT_ANSWER` tokens are kept apart: their speed is mostly the noise of
-their first steps, and they say little about the next long answer.
-
-A learned point is *trusted* only once it rests on `min_samples` answers and its 95 %
-confidence interval is within `max_interval` of its mean; untrusted points are not used, so
-one or two lucky or unlucky streams change nothing. A prediction between two trusted
-concurrencies is interpolated; beyond the last one the backend is assumed to give no more in
-total than it did there (speed × concurrency held level), which is cautious. Each prediction
-carries its interval, so the policy overrides its prior only on a difference that is larger
-than the noise (see `router.policy`).
-
-A pool may come with a *prior*: the speed its engines are known to give by concurrency (a
-bench sweep, or the simulator's calibrated profile). Where nothing is trusted yet, the prior
-is the prediction. A trusted point is shrunk toward it as if the prior were `prior_weight`
-more answers at the prior's speed with the point's own spread: the mean moves toward the
-prior by prior_weight / (prior_weight + answers), and the interval narrows as if those
-answers were there, but always stretches to the learned mean as well, so a prior that
-disagrees with what was measured widens the interval rather than outvoting the measurement.
-As answers accumulate the prior's share vanishes and the estimate converges to what is
-measured. Where nothing is trusted, the prior's interval is `max_interval` of its speed, as
-good as a point just trusted, so a prior decides only on a difference larger than that.
-Between and beyond trusted points the prior gives the shape: the prediction is the
-prior's speed there times the nearest trusted points' ratio of estimate to prior. Without a
-prior, none of this applies.
-
-With speculation the speed also depends on how well the drafter is guessing. Each observation
-on a speculative backend carries the tokens a sequence gained per step at the time (from the
-engine's counters); a prediction is scaled by the live figure over the learned one.
-"""
+"""Per-user speed against concurrency, learned online from finished streams and shrunk toward a
+pool's prior speed; trusted only past a sample count and interval width. How and why:
+docs/architecture.md, "Learned speeds"."""
 
 from __future__ import annotations
 

@@ -257,21 +257,9 @@ def _client_timeout(connect: float | None, read: float | None) -> aiohttp.Client
 
 
 def _never_written(exc: BaseException) -> bool:
-    """Whether the request was refused before a byte of it was written: its connection was
-    closing, or closed by the engine.
-
-    The engine closed a pooled keep-alive connection (uvicorn does after 5 s idle) after the pool
-    handed it out but before the request was written: with a body on Python 3.11 the write runs
-    in a task of its own, and the loop may read the engine's FIN first (uvloop polls the sockets
-    before it runs that task; seconds may pass on a busy machine). aiohttp's writer then raises
-    ClientConnectionResetError before a byte reaches the socket; the body writer passes it on as
-    the cause of a ClientOSError. A body of up to `_ONE_WRITE`
-    bytes goes out in that one write together with the head, so its refusal means that no byte
-    left: the engine cannot have read the request (RFC 9110 §9.2.2 allows sending a POST again
-    when "the original request was never applied"; Envoy's `reset-before-request` is the same
-    case). Bytes written and then a closed connection prove nothing — the engine may have read
-    them — and stay a RemoteProtocolError.
-    """
+    """Whether the request was refused before a byte of it was written (the engine had closed the
+    pooled connection): then the engine cannot have read it. A body of up to `_ONE_WRITE` bytes
+    goes out in one write with the head; bytes written and then a closed connection prove nothing."""
     return isinstance(exc, aiohttp.ClientConnectionResetError) or isinstance(
         exc.__cause__, aiohttp.ClientConnectionResetError
     )

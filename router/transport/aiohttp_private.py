@@ -30,19 +30,8 @@ _LAST_DATA_RECV = 52
 
 
 class Handler(ResponseHandler):
-    """aiohttp's protocol for one connection, with two costs per streamed chunk taken out.
-
-    aiohttp 3.14 calls `resume_reading` after every piece of body the reader takes, paused or
-    not, and each call runs the parser on no data and resumes the socket again. With one engine
-    chunk per read (a paced stream) that came to about a third more CPU per streamed chunk than
-    the router's previous client (docs/benchmarks.md §4). When reading was paused (the reader
-    fell behind), the call goes through unchanged.
-
-    aiohttp also moves the read timeout on every piece of data by cancelling its timer and
-    starting a new one (3.4 µs under uvloop). Here data only moves the deadline; the one timer,
-    when it comes, sees whether the deadline has passed and otherwise waits again until it: the
-    timeout fires at the same moment, with one timer per timeout period instead of one per chunk.
-    """
+    """aiohttp's protocol for one connection, with two costs per streamed chunk taken out: one
+    read timer per timeout period instead of one per chunk, and no parser run on no data."""
 
     _read_deadline = 0.0
 
@@ -73,23 +62,8 @@ class Handler(ResponseHandler):
 
 class Connector(aiohttp.TCPConnector):
     """aiohttp's connector, refusing to reuse a pooled connection that the engine closed or sent
-    anything on while it was idle, or that has been idle for too long by the kernel's clock.
-
-    aiohttp parses and queues a response that arrives on an idle keep-alive connection (a late
-    second answer, bytes after a 204) and hands it to the next request sent on that connection
-    as its answer. Such a connection is closed instead: those bytes are nobody's answer. So is
-    one whose socket polls readable: the engine's FIN, a reset or unasked bytes may be in the
-    kernel, not yet read by the loop, and a request written there may or may not have been read
-    by the engine. Nothing is awaited between this look and the request's head being written
-    (or, with a body on Python 3.11, the task that writes it being started).
-
-    aiohttp counts a connection's idle time from when the loop put it back in the pool, which is
-    late by however long the loop was held up when the answer's last byte arrived; the engine
-    counts its keep-alive from when it sent that byte. A router whose loop was held up for a
-    second could send a request on a connection the engine was closing that instant (seen as
-    three requests closed at once on real vLLM engines). So the kernel's own count since the
-    last byte arrived (Linux `TCP_INFO`) must be under `KEEP_ALIVE_SECONDS` too.
-    """
+    anything on while it was idle, or that has been idle past `KEEP_ALIVE_SECONDS` by the
+    kernel's clock."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

@@ -82,7 +82,7 @@ def test_vllm_pages_use_the_current_kv_name() -> None:
 
 @pytest.mark.parametrize("name", [SPEC, NOSPEC])
 def test_vllm_states_its_capacity_in_cache_config_info_labels(name: str) -> None:
-    # What a capacity prior can read before any load (issue 11): the KV cache in tokens and the
+    # What a capacity prior can read before any load: the KV cache in tokens and the
     # concurrency it holds at the longest context. The router's `parse` keeps values only, so
     # the labels are read here as the exposition gives them.
     [info] = [

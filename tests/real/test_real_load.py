@@ -218,10 +218,9 @@ def first_readings(cold: RealCluster) -> None:
 def test_a_burst_of_users_on_a_cold_router_spills_past_the_speculative_engines_capacity(
     cluster: RealCluster, routers: Path
 ) -> None:
-    """On a router that has never seen the engines loaded: its one reading shows both idle. Before
-    the fix all 24 went to the speculative engine: both pools looked full past the engines' stated
-    capacity (2 requests of full length), and their predicted first tokens were equal
-    (docs/benchmarks.md §7)."""
+    """On a router that has never seen the engines loaded: its one reading shows both idle. The
+    burst must spill to the standard engine once the speculative one's stated capacity (2
+    requests of full length) is taken, though both pools' predicted first tokens start equal."""
     with router_in_front(cluster.fast, cluster.team, routers) as cold:
         first_readings(cold)
         burst(cold)
@@ -229,11 +228,10 @@ def test_a_burst_of_users_on_a_cold_router_spills_past_the_speculative_engines_c
 
 def test_a_burst_after_short_requests_is_not_taken_for_short_requests(cluster: RealCluster, routers: Path) -> None:
     """The router has seen short requests running on the speculative engine (a prompt and 50
-    tokens: 1 block each; pinned there) and finishing there, and none on the standard one. Before the fix that
-    one block was taken for what each of the burst would hold (27 fit), and the standard pool,
-    with no request measured yet, was predicted at 10 s a request: 22 to all 24 went to the
-    speculative engine, and it preempted. Now each takes the blocks its own length needs, and a
-    pool with no request measured takes the others' duration."""
+    tokens: 1 block each; pinned there) and finishing there, and none on the standard one. Their one block
+    each must not be taken for what each of the burst will hold (27 would fit, and the speculative
+    engine would preempt): each takes the blocks its own length needs, and a pool with no request
+    measured takes the others' duration."""
     with router_in_front(cluster.fast, cluster.team, routers) as cold:
         first_readings(cold)
         seen = threading.Event()

@@ -421,8 +421,7 @@ def test_a_connection_idle_past_keep_alive_by_the_kernels_clock_is_not_reused(lo
     the engine from when it sent its answer. Here the router's loop is held up while the answer
     arrives, as on a starved machine, so the loop's count starts `KEEP_ALIVE_SECONDS` late: by
     the kernel's count the connection has been idle that long, the engine may be closing it
-    (uvicorn does at 5 s), and the next request goes on a new connection. On the old code it
-    went on the old one."""
+    (uvicorn does at 5 s), and the next request goes on a new connection."""
     release = threading.Event()
 
     async def after_release(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
