@@ -49,8 +49,8 @@ def test_detect_kind(text: str, hints: tuple[str, ...], kind: ContentKind) -> No
     assert detect_kind(text, hints=hints) == kind
 
 
-# The patterns content detection used on Python's backtracking engine before google-re2, as an
-# oracle: on short text (where backtracking costs little) RE2 must decide exactly as they did.
+# The same patterns on Python's backtracking engine, as an oracle: on short text (where
+# backtracking costs little) RE2 must decide exactly as they do.
 _OLD_MARKERS = re.compile(
     r"```|^\s*(def|class|import|from|fn|func|function|const|let|var|public|private|#include|package|SELECT|"
     r"return)\b|[{};]\s*$|=>|->|::|\w+\([^)]*\)\s*[:{]",

@@ -224,7 +224,7 @@ def test_a_burst_past_both_engines_stated_capacity_is_shared_by_their_projected_
     """Real vLLM states a capacity of 2 requests (4,096 tokens at max_model_len): on a cold router
     both pools look full from the second request of a burst. The first token is predicted behind
     the router's own requests projected past each KV cache, so the burst goes where fewer wait,
-    not all to the speculative pool (before: both predicted 0 s, the speculative one kept)."""
+    not all to the speculative pool (with both predicted at 0 s, the speculative one would keep it)."""
     settings = _settings()
     pools = _pools(settings)
     fast, team = pools["fast"].backends[0], pools["team"].backends[0]

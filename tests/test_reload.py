@@ -486,8 +486,8 @@ def test_a_request_under_way_keeps_the_settings_it_arrived_with(
 ) -> None:
     """A reload that turns `retries.cross_pool` off while a request's first attempt waits for the
     engine's 503: that request still fails over to the other pool, as the settings it arrived
-    with allow; the next one does not. Before, the router read the settings anew at each step:
-    the request under way was let retry, then found no pool to retry on (503 pool_unavailable)."""
+    with allow; the next one does not. A router that read the settings anew at each step would
+    let the request retry, then find no pool to retry on (503 pool_unavailable)."""
     import concurrent.futures
     import threading
 

@@ -155,9 +155,8 @@ def test_the_kv_cache_size_an_engine_states_is_read_from_cache_config_info() -> 
 # A reading of the real test engine (32 blocks of 128 tokens) that caught one request just
 # admitted: one block, its prompt. The burst of 256-token answers sent since will each hold 3
 # blocks at their end (a prompt of 20 tokens and its answer), and so will the one seen, so 8 fit
-# besides it, not 28. Before, the one block seen was taken for each: all 22 of a 24-user burst
-# went to the speculative engine, and 7 of them waited there (tests/real: the cold-burst test, 1
-# run in 6).
+# besides it, not 28: taking the one block seen for each would send a 24-user burst to the
+# speculative engine, where some would wait (tests/real: the cold-burst test).
 @pytest.mark.parametrize(
     ("tokens", "overflow"),
     [

@@ -53,9 +53,9 @@ def test_memory_of_each_engine(real: RealCluster) -> None:
 
 def test_the_scraper_reads_the_real_engines(cluster: RealCluster) -> None:
     # What the router's view of fast-1 showed while the load ran, each figure at its highest.
-    # They need not all show in one view: in CI a load of four short answers once ended between
-    # two scrapes that could show them together, so the load is sixteen long answers (the KV
-    # cache holds a few; the rest wait in the engine) and each figure is judged on its own.
+    # They need not all show in one view: a load of a few short answers can end between two
+    # scrapes that could show them together, so the load is sixteen long answers (the KV cache
+    # holds a few; the rest wait in the engine) and each figure is judged on its own.
     seen: dict[str, float] = {}
     views: list[dict[str, Any]] = []
 
@@ -103,9 +103,8 @@ def test_a_client_that_disconnects_is_aborted_in_the_engine(cluster: RealCluster
     # The tiny model decodes a 1,800-token answer in about a second on an idle core, so one
     # answer could end before any abort arrived. Sixteen of them hold 28,800 tokens of KV against
     # the engine's 4,096: most wait inside the engine, and the engine works on them for 45 s or
-    # more. The router must get to the client's leaving within that time, and on this shared
-    # machine its whole process once got no turn for about 20 s while the pinned engine went on
-    # (eight answers, 14,400 tokens, then ran to the end before the abort).
+    # more. The router must get to the client's leaving within that time, even on a shared
+    # machine where its process can get no turn for many seconds while the pinned engine goes on.
     sequences = 16
     stream = cluster.client().chat.completions.create(
         model="tiny-llama",

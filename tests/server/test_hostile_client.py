@@ -313,8 +313,8 @@ async def test_prompts_that_made_the_classifier_backtrack_are_served_and_others_
         *(_exchange(cluster.router.port, request) for request in requests),
         _exchange(cluster.router.port, _request("/healthz", method="GET")),
     )
-    # A regression guard with a wide margin: with Python's backtracking regex these 16 prompts
-    # cost 0.2-1 s of event-loop CPU each here (docs/benchmarks.md); now they cost microseconds.
+    # A guard with a wide margin: a backtracking regex engine spends 0.2-1 s of event-loop CPU on
+    # each of these 16 prompts; RE2 spends microseconds (docs/benchmarks.md, content detection).
     assert time.monotonic() - started < 5
     assert [_parse(answer)[0] for answer in answers] == [200] * 17
     assert _prose_decisions(cluster) - before == 16
