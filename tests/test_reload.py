@@ -246,6 +246,7 @@ RELOADABLE: dict[str, tuple[Any, Observe | WithEngine]] = {
     "pools.*.queue_timeout": (3.0, lambda r: r.pools["fast"].queue_timeout),
     "pools.*.prior_speed": ({"prose": {1: 50.0}}, lambda r: r.speeds.prior("f1", "prose")),
     "headers.pool": ("X-Pool", lambda r: _classify(r, {"x-pool": "team"}).pinned_pool),
+    "headers.ttft_target": ("X-Deadline-Ms", lambda r: r.plan.ttft.of({"x-deadline-ms": "500"})),
     "headers.job": ("X-Job", lambda r: _classify(r, {"x-job": "batch"}).job),
     "classify.rules": (
         [{"name": "evals", "job": "batch", "match": {"model": "glm-batch"}}],
@@ -276,6 +277,9 @@ RELOADABLE: dict[str, tuple[Any, Observe | WithEngine]] = {
         True,
         lambda r: _route(r, "batch", spec=IDLE, std=PoolState(speculative=False, has_room=False)),
     ),
+    "routing.ttft_target_min": (1.0, lambda r: r.plan.ttft.of({"x-slo-ttft-ms": "10"})),
+    "routing.ttft_target_max": (1.0, lambda r: r.plan.ttft.of({"x-slo-ttft-ms": "5000"})),
+    "routing.reject_unmeetable_ttft": (True, lambda r: r.plan.ttft.reject_unmeetable),
     "routing.ttft_target": (5.0, lambda r: _route(r, spec=PAST_CROSSOVER, std=PoolState(False, ttft=4.0))),
     "timeouts.connect": (1.0, lambda r: r.plan.timeouts.connect),
     "timeouts.read": (0.3, lambda r: r.plan.timeouts.read),

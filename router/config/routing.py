@@ -147,6 +147,23 @@ class Routing(Section):
         description="Seconds: interactive work goes where its first token is predicted within this, then where it "
         "streams fastest.",
     )
+    ttft_target_min: float = Field(
+        default=0.05,
+        gt=0,
+        description="Seconds: the shortest first-token target a request may ask for with `X-SLO-TTFT-MS`; a "
+        "shorter one is raised to this.",
+    )
+    ttft_target_max: float = Field(
+        default=600.0,
+        gt=0,
+        description="Seconds: the longest first-token target a request may ask for; a longer one is lowered to this.",
+    )
+    reject_unmeetable_ttft: bool = Field(
+        default=False,
+        description="A request whose own first-token target no pool is predicted to meet is answered at once: "
+        "503 `ttft_target_unmeetable`, with the predictions (false: it goes where its first token comes soonest, "
+        "`X-Route-Reason: slo:unmet`).",
+    )
 
 
 class Scrape(Section):

@@ -23,10 +23,16 @@ class Listen(Section):
 
 
 class Headers(Section):
-    """Names of the override headers; neither is ever forwarded."""
+    """Names of the headers the router reads: the override headers (never forwarded) and the first-token target."""
 
     pool: str = Field(default="X-Route-Pool", description="The header that pins a pool by name.")
     job: str = Field(default="X-Job-Type", description="The header that declares the job: `interactive` or `batch`.")
+    ttft_target: str = Field(
+        default="X-SLO-TTFT-MS",
+        description="The header with a request's own first-token target, in milliseconds (llm-d's name); it "
+        "replaces `routing.ttft_target` for that request, within `ttft_target_min` and `ttft_target_max`. A "
+        "value that is not a positive number is ignored. Forwarded like any header.",
+    )
 
 
 class Auth(Section):

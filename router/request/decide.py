@@ -8,12 +8,13 @@ A pure function: no I/O, no clock, no live state but what the caller passes in.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from router.content import ContentKind, detect_kind, request_text
-from router.errors import BadRequest
+from router.errors import BadRequest, NoBackendAvailable
 from router.request.incoming import Incoming
 from router.routing.classify import Classifier, RequestFacts, UnknownOverride
 from router.routing.conversations import Prompt
@@ -42,8 +43,10 @@ def decide(
     code_hints: tuple[str, ...],
     client_load: float,
     pools: Mapping[str, PoolState],
+    ttft: TtftTarget | None = None,
 ) -> Routed:
-    """`client_load`: the client's other requests in flight, or its recent peak if higher."""
+    """`client_load`: the client's other requests in flight, or its recent peak if higher.
+    `ttft`: how a request's own first-token target is read and held (none: not read)."""
     facts = RequestFacts(
         headers=incoming.headers,
         api_key=incoming.api_key,
@@ -57,9 +60,40 @@ def decide(
         classification = classifier.classify(facts)
     except UnknownOverride as exc:
         raise BadRequest(str(exc), param=exc.header, code=exc.code) from exc
-    decision = policy.decide(classification, content_kind(incoming.payload, code_hints), pools)
+    target = ttft.of(incoming.headers) if ttft is not None else None
+    decision = policy.decide(classification, content_kind(incoming.payload, code_hints), pools, ttft_target=target)
+    if decision.reason == "slo:unmet" and ttft is not None and ttft.reject_unmeetable:
+        predicted = ", ".join(f"{name} {state.ttft:.2f} s" for name, state in pools.items() if state.ttft is not None)
+        raise NoBackendAvailable(
+            f"no pool is predicted to give a first token within {target:g} s ({predicted or 'no prediction'})",
+            code="ttft_target_unmeetable",
+        )
     body, drop_usage_chunk = upstream_body(incoming, rewrite_model=classification.rewrite_model)
     return Routed(decision, body, drop_usage_chunk)
+
+
+@dataclass(frozen=True, slots=True)
+class TtftTarget:
+    """A request's own first-token target (`X-SLO-TTFT-MS`, llm-d's header: milliseconds)."""
+
+    header: str  # lower-cased
+    low: float  # seconds: `routing.ttft_target_min`
+    high: float  # seconds: `routing.ttft_target_max`
+    reject_unmeetable: bool
+
+    def of(self, headers: Mapping[str, str]) -> float | None:
+        """The target in seconds, within the bounds; None when absent or not a positive number
+        (as llm-d reads it: such a request has no target of its own)."""
+        raw = headers.get(self.header)
+        if raw is None:
+            return None
+        try:
+            millis = float(raw)
+        except ValueError:
+            return None
+        if not 0 < millis < math.inf:
+            return None
+        return min(self.high, max(self.low, millis / 1000))
 
 
 def content_kind(payload: Mapping[str, Any], code_hints: tuple[str, ...]) -> ContentKind:

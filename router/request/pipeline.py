@@ -124,6 +124,7 @@ class Pipeline:
                     code_hints=plan.code_hints,
                     client_load=self._clients.load(incoming.client) - 1,  # the others, not this one
                     pools=pools,
+                    ttft=plan.ttft,
                 )
                 if prompt is not None and cached is not None:
                     routed = _with_conversation(routed, pools, prompt, cached)

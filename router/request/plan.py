@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from router.auth import Auth, KeyGroups
 from router.config import Conversations, Retries, Routing, Settings
+from router.request.decide import TtftTarget
 from router.routing.classify import Classifier
 from router.routing.clients import Placeholders
 from router.routing.policy import Policy
@@ -24,6 +25,7 @@ class Plan:
     policy: Policy
     override_headers: frozenset[str]  # lower-cased; never forwarded
     job_header: str  # lower-cased
+    ttft: TtftTarget  # how a request's own first-token target is read and held
     code_hints: tuple[str, ...]
     placeholders: Placeholders  # bearer keys that identify nobody
     groups: KeyGroups  # the key groups of `fairness.groups`
@@ -64,6 +66,12 @@ def compile_plan(settings: Settings) -> Plan:
         ),
         override_headers=frozenset({settings.headers.pool.lower(), settings.headers.job.lower()}),
         job_header=settings.headers.job.lower(),
+        ttft=TtftTarget(
+            header=settings.headers.ttft_target.lower(),
+            low=settings.routing.ttft_target_min,
+            high=settings.routing.ttft_target_max,
+            reject_unmeetable=settings.routing.reject_unmeetable_ttft,
+        ),
         code_hints=tuple(settings.classify.code_hints),
         placeholders=Placeholders(settings.classify.placeholder_keys),
         groups=KeyGroups(settings.fairness.groups),

@@ -30,7 +30,7 @@ moves onto a queueing pool while the speculative pool has free slots and KV head
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from router.config import Conversations, JobClass, Routing
 from router.content import ContentKind
@@ -87,7 +87,41 @@ class Policy:
         self._speculative = interactive_pool
         self._standard = batch_pool
 
-    def decide(self, classification: Classification, content: ContentKind, pools: Mapping[str, PoolState]) -> Decision:
+    def decide(
+        self,
+        classification: Classification,
+        content: ContentKind,
+        pools: Mapping[str, PoolState],
+        *,
+        ttft_target: float | None = None,
+    ) -> Decision:
+        """`ttft_target`: the request's own first-token target (`X-SLO-TTFT-MS`), seconds."""
+        target = ttft_target if ttft_target is not None else self._config.ttft_target
+        decision = self._decide(classification, content, pools, target)
+        if ttft_target is None or decision.job != "interactive" or decision.reason == "pinned":
+            return decision
+        return self._within(decision, pools, ttft_target)
+
+    def _within(self, decision: Decision, pools: Mapping[str, PoolState], target: float) -> Decision:
+        """A request with a first-token target of its own: where its first token is predicted
+        within it, the decided pool first; if nowhere, where it comes soonest (`slo:unmet`, which
+        the router answers with 503 instead when `routing.reject_unmeetable_ttft`)."""
+        if _within(pools[decision.pool], target):
+            return decision
+        others = [
+            name
+            for name in dict.fromkeys((self._speculative, self._standard))
+            if name != decision.pool and self._unavailable(pools[name]) is None
+        ]
+        for name in others:
+            if _within(pools[name], target):
+                return replace(decision, pool=name, reason="slo:ttft")
+        soonest = min([decision.pool, *others], key=lambda name: pools[name].ttft or 0.0)
+        return replace(decision, pool=soonest, reason="slo:unmet")
+
+    def _decide(
+        self, classification: Classification, content: ContentKind, pools: Mapping[str, PoolState], target: float
+    ) -> Decision:
         job = classification.job
 
         def to(pool: str, reason: str = classification.reason) -> Decision:
@@ -112,7 +146,7 @@ class Policy:
             return to(self._standard, f"spill:spec-{unavailable}") if standard_open else to(self._speculative)
         if self._config.mode == "static" or not standard_open:
             return to(self._speculative)
-        kept = self._conversation(spec, std)
+        kept = self._conversation(spec, std, target)
         if kept is not None:
             pool, reason = kept
             return to(pool, reason or classification.reason)
@@ -124,7 +158,7 @@ class Policy:
             return to(self._speculative)
         # The speculative pool has room: leave it only for a standard pool that neither queues
         # nor keeps its first tokens past the target, and only for a faster place.
-        if self._wait(std) is not None or (std.ttft is not None and std.ttft > self._config.ttft_target):
+        if self._wait(std) is not None or (std.ttft is not None and std.ttft > target):
             return to(self._speculative)
         spec_speed, std_speed = spec.speed.get(content), std.speed.get(content)
         if self._config.mode == "adaptive" and spec_speed is not None and std_speed is not None:
@@ -139,7 +173,7 @@ class Policy:
             return to(self._standard, "spill:past-crossover")
         return to(self._speculative)
 
-    def _conversation(self, spec: PoolState, std: PoolState) -> tuple[str, str | None] | None:
+    def _conversation(self, spec: PoolState, std: PoolState, target: float) -> tuple[str, str | None] | None:
         """Where a long conversation goes: the pool holding its cache, unless its first token
         there is predicted past the target and the other pool's, its prefill counted, comes
         `min_gain` sooner; and not again soon after a move. None: not a long conversation
@@ -156,7 +190,7 @@ class Policy:
         stay = None if home == self._speculative else "conversation:cached"
         if here.settled or self._unavailable(there) is not None:
             return home, stay
-        if here.ttft is None or here.ttft <= self._config.ttft_target or there.ttft is None:
+        if here.ttft is None or here.ttft <= target or there.ttft is None:
             return home, stay
         if there.ttft < here.ttft * (1 - config.min_gain):
             return other, "conversation:moved"
@@ -184,6 +218,11 @@ class Policy:
         if not state.has_room:
             return "full"
         return None
+
+
+def _within(state: PoolState, target: float) -> bool:
+    """Whether a pool's first token is predicted within `target` (nothing predicted: taken as within)."""
+    return state.ttft is None or state.ttft <= target
 
 
 def _sooner(candidate: float | None, current: float | None) -> bool:

@@ -178,3 +178,42 @@ def test_interactive_work_leaves_a_speculative_pool_that_takes_none_in_every_mod
     assert _decide(INTERACTIVE, fast, std(), mode=mode) == Decision("team", "interactive", reason)
     # ...but not for a standard pool that cannot take it either: the pool's own 503 is the answer.
     assert _decide(INTERACTIVE, fast, std(healthy=False), mode=mode).pool == "fast"
+
+
+def _with_target(classification: Classification, fast: PoolState, team: PoolState, target: float | None) -> Decision:
+    policy = Policy(Routing(mode="crossover"), interactive_pool="fast", batch_pool="team")
+    return policy.decide(classification, "prose", {"fast": fast, "team": team}, ttft_target=target)
+
+
+@pytest.mark.parametrize(
+    ("fast", "team", "target", "pool", "reason"),
+    [
+        # No target of its own: as without the header.
+        (spec(ttft=2.0), std(ttft=0.3), None, "fast", "default"),
+        # Within its target where the policy sends it: nothing changes.
+        (spec(ttft=2.0), std(ttft=0.3), 2.5, "fast", "default"),
+        # A voice assistant's 0.5 s: the speculative pool's 2 s is too late, the standard's 0.3 s is not.
+        (spec(ttft=2.0), std(ttft=0.3), 0.5, "team", "slo:ttft"),
+        # Nowhere within 0.1 s: where it comes soonest.
+        (spec(ttft=2.0), std(ttft=0.3), 0.1, "team", "slo:unmet"),
+        (spec(ttft=0.2), std(ttft=0.3), 0.1, "fast", "slo:unmet"),
+        # A looser target than the setting's lets the policy keep it on the speculative pool, where
+        # the setting's 3 s would have spilled past a standard pool predicted within 3 s... (same here)
+        (spec(ttft=1.0), std(ttft=5.0), 10.0, "fast", "default"),
+        # A pool that takes no work is no candidate, however soon.
+        (spec(ttft=2.0), std(ttft=0.1, healthy=False), 0.5, "fast", "slo:unmet"),
+        # Nothing predicted: taken as within.
+        (spec(), std(), 0.1, "fast", "default"),
+    ],
+)
+def test_a_requests_own_first_token_target(
+    fast: PoolState, team: PoolState, target: float | None, pool: str, reason: str
+) -> None:
+    decision = _with_target(INTERACTIVE, fast, team, target)
+    assert (decision.pool, decision.reason) == (pool, reason)
+
+
+def test_a_first_token_target_moves_neither_batch_work_nor_a_pinned_request() -> None:
+    assert _with_target(BATCH, spec(ttft=0.1), std(ttft=9.0), 0.5).pool == "team"
+    pinned = Classification("interactive", "header", pinned_pool="fast")
+    assert _with_target(pinned, spec(ttft=9.0), std(ttft=0.1), 0.5).pool == "fast"
