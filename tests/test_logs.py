@@ -57,8 +57,9 @@ def test_access_line_as_json_and_text(cluster: Cluster, caplog: pytest.LogCaptur
     )
     assert (entry["status"], entry["code"], entry["retries"], entry["tokens"]) == (200, None, 0, 3)
     assert entry["ttft_ms"] >= 0 and entry["duration_ms"] >= entry["ttft_ms"] and entry["queue_ms"] >= 0
-    # No client keys are configured, so the key is no identity: the client is its address.
-    assert re.fullmatch(r"addr:[0-9a-f]{12}", entry["client"])
+    # No client keys are configured, but a key that is no placeholder still tells clients apart:
+    # the client is the key, shown only as a hash.
+    assert re.fullmatch(r"key:[0-9a-f]{12}", entry["client"])
     text = TextFormatter().format(record)
     assert "sk-secret-key-123" not in text + json.dumps(entry)
     assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO specroute.access id=", text)
