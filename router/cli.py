@@ -36,6 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _sim(args)
     if args.command == "trace":
         return _trace(args)
+    if args.command == "plan":
+        from router.bench.plan import main as plan
+
+        return plan(args)
     return _serve(args)
 
 
@@ -90,7 +94,36 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--out", help="write here (default: standard output)")
 
     _bench_parser(commands)
+    _plan_parser(commands)
     return root
+
+
+def _plan_parser(commands: Any) -> None:
+    plan = commands.add_parser(
+        "plan", help="replay traffic on every split of N nodes between the pools, in simulated time, and recommend one"
+    )
+    plan.add_argument("--record", help="a traffic record or its `trace export` (default: the mix below)")
+    plan.add_argument(
+        "--record-time-scale", type=float, default=1.0,
+        help="the record was made in front of a simulator running N times faster than real time",
+    )  # fmt: skip
+    plan.add_argument("--nodes", type=int, default=8, help="nodes to split between the two pools")
+    plan.add_argument("--fast", default="fast", help="profile of the speculative engine (name or YAML, `sim fit`)")
+    plan.add_argument("--team", default="team", help="profile of the standard engine")
+    plan.add_argument("--time-scale", type=float, default=5.0, help="run the simulated clusters N times faster")
+    plan.add_argument("--ttft-target", type=float, default=3.0, help="interactive first-token target, seconds")
+    plan.add_argument("--batch-scale", type=float, default=1.0, help="multiply the batch traffic (2: doubled)")
+    plan.add_argument("--interactive-scale", type=float, default=1.0, help="multiply the interactive traffic")
+    plan.add_argument("--out", help="directory for plan.md, plan.json and plan.png")
+    mix = plan.add_argument_group("a synthetic mix, without --record")
+    mix.add_argument("--interactive", type=int, default=4, help="interactive users")
+    mix.add_argument("--interactive-every", type=float, default=15.0, help="seconds between a user's requests")
+    mix.add_argument("--batch", type=int, default=124, help="batch requests started at once")
+    mix.add_argument("--batch-every", type=float, default=1.0, help="then one batch request every this many seconds")
+    mix.add_argument("--duration", type=float, default=300.0, help="seconds of traffic")
+    mix.add_argument("--kind", choices=CONTENT_KINDS, default="prose")
+    mix.add_argument("--prompt-tokens", type=int, default=64)
+    mix.add_argument("--answer-tokens", type=int, default=512)
 
 
 def _bench_parser(commands: Any) -> None:
@@ -182,7 +215,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    from router.traffic import read_record
+    from router.record import read_record
 
     path = args.record
     if path is None:

@@ -77,6 +77,7 @@ def cluster_settings(
     port: int,
     time_scale: float = 1.0,
     priors: dict[str, dict[ContentKind, dict[int, float]]] | None = None,
+    ttft_target: float = 3.0,
 ) -> Settings:
     """Router settings for pools given as name -> (speculative, engine URLs), with each pool's
     prior speeds (`priors`, by pool name) if given.
@@ -94,7 +95,7 @@ def cluster_settings(
             "stale_after": max(1.0, 5.0 / time_scale),
             "acceptance_max_age": 300.0 / time_scale,
         },
-        "routing": {"ttft_target": 3.0 / time_scale},
+        "routing": {"ttft_target": ttft_target / time_scale},
         "learn": {"half_life": 600.0 / time_scale},
         "health": {"interval": 5.0 / time_scale},
         "classify": {"client_memory_seconds": 60.0 / time_scale, "burst_hold_seconds": 0.02 / time_scale},
@@ -131,6 +132,7 @@ async def serve_cluster(
     host: str | None = None,
     port: int | None = None,
     time_scale: float = 1.0,
+    ttft_target: float = 3.0,
     on_ready: Callable[[str, str], Any] = lambda base_url, banner: print(banner, flush=True),
     prompt_tokens_details: bool = False,
 ) -> None:
@@ -157,7 +159,12 @@ async def serve_cluster(
     # The router starts knowing what the simulated engines give: their calibrated speeds.
     priors = {pool.name: prior_speeds(pool.engines[0], time_scale=time_scale) for pool in pools}
     settings = cluster_settings(
-        urls, host=host or "127.0.0.1", port=8000 if port is None else port, time_scale=time_scale, priors=priors
+        urls,
+        host=host or "127.0.0.1",
+        port=8000 if port is None else port,
+        time_scale=time_scale,
+        priors=priors,
+        ttft_target=ttft_target,
     )
     host = host if host is not None else settings.listen.host
     router_sock = _bind(host, settings.listen.port if port is None else port)

@@ -23,10 +23,12 @@ SIM_MAY_IMPORT = ("router.sim", "router.content", "router.prompts")
 # router and simulator into the layouts it measures. Never the router's core directly.
 BENCH_MAY_IMPORT = (
     "router.bench", "router.content", "router.prompts", "router.quantiles", "router.sse", "router.sim.profile",
-    "router.demo",
+    "router.demo", "router.record",
 )  # fmt: skip
 # The shared helpers the bench uses: nothing of the router's package behind them but each other.
-SHARED_HELPERS = ("router.content", "router.prompts", "router.quantiles", "router.sse", "router.sim.profile")
+SHARED_HELPERS = (
+    "router.content", "router.prompts", "router.quantiles", "router.sse", "router.sim.profile", "router.record",
+)  # fmt: skip
 # Network and concurrency: what a pure decision must not reach, even through another module.
 IO = (
     "asyncio", "socket", "ssl", "selectors", "http.client", "urllib.request", "anyio", "uvloop", "uvicorn",

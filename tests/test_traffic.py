@@ -14,7 +14,8 @@ import pytest
 
 from router.clock import ManualClock
 from router.config import Traffic
-from router.traffic import Served, TrafficRecorder, read_record
+from router.record import Served, read_record
+from router.traffic import TrafficRecorder
 from tests.conftest import running_cluster
 from tests.wait import wait_until
 

@@ -14,22 +14,29 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from router.bench.load import Target
-from router.demo import LayoutName, layout, serve_cluster
+from router.demo import LayoutName, PoolSpec, layout, serve_cluster
 
 T = TypeVar("T")
 
 
-def _serve_layout(
-    name: LayoutName, time_scale: float, routing_mode: str | None, environ: dict[str, str], details: bool, ready: Any
+def _serve_pools(
+    pools: list[PoolSpec],
+    time_scale: float,
+    routing_mode: str | None,
+    environ: dict[str, str],
+    details: bool,
+    ttft_target: float,
+    ready: Any,
 ) -> None:
     if routing_mode is not None:
         os.environ["SPECROUTE_ROUTING__MODE"] = routing_mode  # this child process's own environment
     os.environ.update(environ)
     asyncio.run(
         serve_cluster(
-            layout(name),
+            pools,
             port=0,
             time_scale=time_scale,
+            ttft_target=ttft_target,
             on_ready=lambda url, banner: ready.put(url),
             prompt_tokens_details=details,
         )
@@ -48,10 +55,31 @@ def running_layout(
     """A simulated layout and its router in a child process; yields the router's base URL.
     `environ`: settings for its router (`SPECROUTE_*`); `prompt_tokens_details`: the engines'
     usage says the prompt tokens they found cached."""
+    with running_pools(
+        layout(name),
+        time_scale=time_scale,
+        routing_mode=routing_mode,
+        environ=environ,
+        prompt_tokens_details=prompt_tokens_details,
+    ) as base_url:
+        yield base_url
+
+
+@contextlib.contextmanager
+def running_pools(
+    pools: list[PoolSpec],
+    *,
+    time_scale: float,
+    routing_mode: str | None = None,
+    environ: dict[str, str] | None = None,
+    prompt_tokens_details: bool = False,
+    ttft_target: float = 3.0,
+) -> Iterator[str]:
+    """Simulated pools and their router in a child process; yields the router's base URL."""
     context = multiprocessing.get_context("spawn")
     ready = context.Queue()
-    args = (name, time_scale, routing_mode, environ or {}, prompt_tokens_details, ready)
-    process = context.Process(target=_serve_layout, args=args, daemon=True)
+    args = (pools, time_scale, routing_mode, environ or {}, prompt_tokens_details, ttft_target, ready)
+    process = context.Process(target=_serve_pools, args=args, daemon=True)
     process.start()
     try:
         yield ready.get(timeout=60)

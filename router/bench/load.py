@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 
 from router.content import ContentKind
-from router.prompts import prompts
+from router.prompts import prompt_of_length, prompts
 from router.sse import StreamWatch, prompt_tokens
 
 
@@ -44,6 +44,7 @@ class Job:
     headers: dict[str, str] = field(default_factory=dict)
     label: str = "all"
     messages: tuple[dict[str, str], ...] = ()  # the chat to send; empty: one of the shipped prompts
+    prompt_tokens: int | None = None  # a shipped prompt about this long; None: the set's texts as they are
 
 
 @dataclass(slots=True)
@@ -113,9 +114,11 @@ class Load:
     def _body(self, job: Job) -> dict[str, Any]:
         texts = prompts(job.kind)
         self._counter += 1
+        index = self._counter % len(texts)
+        content = prompt_of_length(job.kind, job.prompt_tokens, index) if job.prompt_tokens else texts[index]
         body: dict[str, Any] = {
             "model": self.target.model,
-            "messages": list(job.messages) or [{"role": "user", "content": texts[self._counter % len(texts)]}],
+            "messages": list(job.messages) or [{"role": "user", "content": content}],
             "max_tokens": job.max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},

@@ -35,6 +35,7 @@ class Summary:
     ttft_p99: float | None
     ttft_worst: float | None
     prompt_tokens: float | None = None
+    ttft_p95: float | None = None
 
     @classmethod
     def of(cls, records: Sequence[Record]) -> Summary:
@@ -55,6 +56,7 @@ class Summary:
             ttft_p99=percentile(ttfts, 0.99),
             ttft_worst=max(ttfts) if ttfts else None,
             prompt_tokens=statistics.median(prompts) if prompts else None,
+            ttft_p95=percentile(ttfts, 0.95),
         )
 
     def as_dict(self) -> dict[str, Any]:

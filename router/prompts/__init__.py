@@ -26,3 +26,22 @@ def count_tokens(text: str) -> int:
 def chat_prompt_tokens(contents: list[str]) -> int:
     """Prompt tokens of a chat request: the messages plus the chat template's few tokens each."""
     return sum(count_tokens(c) + 4 for c in contents) + 3
+
+
+@cache
+def prompt_of_length(kind: ContentKind, tokens: int, index: int = 0) -> str:
+    """A prompt of the set, about `tokens` long as a chat request (`chat_prompt_tokens`): the
+    set's texts from `index` on, joined until long enough, then cut at a word."""
+    texts = prompts(kind)
+    parts = [texts[index % len(texts)]]
+    while chat_prompt_tokens(["\n\n".join(parts)]) < tokens:
+        parts.append(texts[(index + len(parts)) % len(texts)])
+    kept: list[str] = []
+    count = chat_prompt_tokens([""])
+    words = "\n\n".join(parts).split(" ")
+    for word in words:
+        count += count_tokens(word)
+        if count > tokens and kept:
+            break
+        kept.append(word)
+    return " ".join(kept)

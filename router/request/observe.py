@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from router import logs
 from router.backends.pools import Backend
 from router.metrics import Children, Metrics
+from router.record import Served, conversation_hash
 from router.request.incoming import Arrival
 from router.routing.learn import SpeedModel
 from router.routing.policy import Decision
-from router.traffic import Served, TrafficRecorder, conversation_hash
+from router.traffic import TrafficRecorder
 
 access_log = logging.getLogger("specroute.access")
 
