@@ -180,6 +180,17 @@ def _bench_parser(commands: Any) -> None:
     )  # fmt: skip
     mixed_options(compare)
 
+    replay = scenarios.add_parser(
+        "replay", help="send a traffic record's requests at their recorded times (what `plan` predicts, measured)"
+    )
+    common(replay, target=True)
+    replay.add_argument("--record", required=True, help="a traffic record or its `trace export`")
+    replay.add_argument(
+        "--record-time-scale", type=float, default=1.0,
+        help="the record was made in front of a simulator running N times faster than real time",
+    )  # fmt: skip
+    replay.add_argument("--ttft-target", type=float, default=3.0, help="interactive first-token target, seconds")
+
     batchjob = scenarios.add_parser(
         "batchjob", help="interactive users alone, then while a Batch API job runs (the router's /v1/batches)"
     )

@@ -19,8 +19,12 @@ from router.bench.batchjob import batch_job
 from router.bench.batchjob import markdown as batchjob_markdown
 from router.bench.compare import run_on_layout
 from router.bench.load import Target
+from router.bench.plan import Figures, Outcome, Split, recorded_at
+from router.bench.plan import table as plan_table
+from router.bench.replay import replay
 from router.bench.scenarios import MixedResult, Summary, SweepRound, Users, mixed, sweep
 from router.demo import LAYOUTS, LayoutName
+from router.record import read_record
 from router.sim.profile import load_profile
 
 T = TypeVar("T")
@@ -38,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
         return _spill(args, out)
     if args.scenario == "batchjob":
         return _batchjob(args, out)
+    if args.scenario == "replay":
+        return _replay(args, out)
     return _compare(args, out)
 
 
@@ -122,6 +128,23 @@ def _mixed(args: argparse.Namespace, out: Path) -> int:
     results = {target.base_url: result}
     _write_mixed(results, args, target, out)
     return _finish(out, f"## mixed load on {target.base_url}\n\n" + report.mixed_table(results))
+
+
+def _replay(args: argparse.Namespace, out: Path) -> int:
+    entries = sorted(read_record(args.record), key=lambda e: e.at)
+    if args.record_time_scale != 1:
+        entries = [recorded_at(e, args.record_time_scale) for e in entries]
+    target = _target(args)
+    records = _with_progress(f"replay {args.base_url}", lambda progress: replay(target, entries, progress=progress))
+    figures = {
+        job: Figures.of(mine, ttft_target=args.ttft_target)
+        for job in ("interactive", "batch")
+        if (mine := [r for r in records if r.label == job])
+    }
+    measured = Outcome(Split(0, 0, 0, 0), figures.get("interactive"), figures.get("batch"))
+    report.write_json(out / "replay.json", {**_meta(args, target), "record": args.record, **measured.as_dict()})
+    text = plan_table([measured], ttft_target=args.ttft_target).replace("0 speculative + 0 standard", target.base_url)
+    return _finish(out, f"## replay of {args.record} on {target.base_url}\n\n{text}")
 
 
 def _batchjob(args: argparse.Namespace, out: Path) -> int:

@@ -14,6 +14,8 @@ from router.bench.replay import _job, scaled, synthetic
 from router.cli import main
 from router.record import Served
 from router.sim.profile import load_profile
+from router.sim.server import create_sim_app
+from tests.servers import ServerThread
 from tests.timing import too_busy_to_time
 
 
@@ -129,3 +131,21 @@ def test_plan_replays_a_record_on_each_split_and_recommends_one(
     assert speculative["batch"]["completion"] > 1.25 * standard["batch"]["completion"]
     assert speculative["interactive"]["within_target"] < 0.95 <= standard["interactive"]["within_target"]
     assert data["recommended"] == "0 speculative + 4 standard"
+
+
+@pytest.mark.e2e
+def test_bench_replay_sends_the_record_and_reports_each_class(tmp_path: Path) -> None:
+    """What `plan` predicts, measured: the same record sent to a target (here one simulated engine)."""
+    team = load_profile("team")
+    record = tmp_path / "traffic.jsonl"
+    mix = synthetic(interactive_users=2, interactive_every=5, batch_in_flight=6, batch_every=0, duration=10,
+                    answer_tokens=32)  # fmt: skip
+    record.write_text("".join(json.dumps(e.as_dict()) + "\n" for e in mix))
+    with ServerThread(create_sim_app(team, time_scale=10)) as engine:
+        args = ["bench", "replay", "--base-url", engine.url + "/v1", "--model", team.model, "--record", str(record),
+                "--time-scale", "10", "--out", str(tmp_path / "replayed")]  # fmt: skip
+        assert main(args) == 0
+    data = json.loads((tmp_path / "replayed" / "replay.json").read_text())
+    assert (data["interactive"]["requests"], data["batch"]["requests"]) == (4, 6)
+    assert data["interactive"]["errors"] == data["batch"]["errors"] == 0
+    assert data["batch"]["tokens_per_s"] > 0 and data["interactive"]["ttft_p50"] is not None
