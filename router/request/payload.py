@@ -7,19 +7,24 @@ is 408, and a client that hangs up raises `ClientGone`.
 
 Python's JSON parser recurses once per level of nesting; a body nested ~1,000 deep makes it raise
 RecursionError (a 500, had it not been caught). Any body nested deeper than `limits.json_depth`
-is the client's error, 400 `invalid_json`, like a body that is not JSON at all.
+is the client's error, 400 `invalid_json`, like a body that is not JSON at all. So is a string
+with a lone UTF-16 surrogate (`"\\ud800"`): Python's parser takes it, but it is no text, and
+every later `.encode()` of it (a hash, a log line, the body sent on) would raise.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.types import Receive
 
 from router.errors import BadRequest, PayloadTooLarge, RequestTimeout
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: one half of a pair, or alone
 
 
 class ClientGone(Exception):
@@ -82,7 +87,19 @@ def parse_json(body: bytes, *, max_depth: int) -> Any:
     # Only a body with more than max_depth brackets can be that deep: most never need the walk.
     if body.count(b"[") + body.count(b"{") > max_depth and _deeper_than(value, max_depth):
         raise _too_deep(max_depth)
+    # Only a body with such an escape can hold a lone surrogate: most never need the check.
+    if _SURROGATE_ESCAPE.search(body) and not _is_text(value):
+        raise BadRequest("request body is not valid JSON: a string holds a lone UTF-16 surrogate", code="invalid_json")
     return value
+
+
+def _is_text(value: Any) -> bool:
+    """Whether every string in `value` encodes as UTF-8 (a surrogate pair parses to one character)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
