@@ -54,7 +54,12 @@ def create_app(
     async def readyz(request: Request) -> Response:
         backends = {b.name: b.accepting for b in router.pools.backends()}
         ready = any(backends.values()) and not router.shutting_down
-        body = {"ready": ready, "backends": backends, "shutting_down": router.shutting_down}
+        body = {
+            "ready": ready,
+            "backends": backends,
+            "shutting_down": router.shutting_down,
+            "shared_state": router.replicas.status(),  # details only: a replica alone still serves
+        }
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def prometheus(request: Request) -> Response:
@@ -79,8 +84,10 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        router.replicas.open()
         await asyncio.gather(router.health.check_all(first=True), router.catalog.learn_names())
         tasks = [
+            asyncio.create_task(router.replicas.run()),
             asyncio.create_task(router.health.run()),
             asyncio.create_task(router.scraper.run()),
             asyncio.create_task(router.catalog.run()),  # the model names the metrics may use
@@ -95,6 +102,7 @@ def create_app(
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # ended before their client closes
             await router.transport.aclose()
+            await router.replicas.aclose()
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

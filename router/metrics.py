@@ -43,6 +43,8 @@ from router.version import BuildInfo
 TTFT_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60, 120, 300)
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
+# A call to the store the replicas share: tens of microseconds on loopback, up to its timeout.
+SHARED_STATE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
 
@@ -183,6 +185,25 @@ class Metrics:
             "specroute_config_reloads",
             "Configuration reloads asked for (SIGHUP or /admin/reload), by result: applied or invalid.",
             ["result"],
+            registry=registry,
+        )
+        self.shared_state_up = Gauge(
+            "specroute_shared_state_up",
+            "1 while this replica shares its state with the others through `state.redis_url`; 0 while it decides "
+            "alone (Redis slow or down, or not configured).",
+            registry=registry,
+        )
+        self.shared_state_fallbacks = Counter(
+            "specroute_shared_state_fallbacks",
+            "Times this replica turned to deciding alone because the shared state failed or ran out of time.",
+            registry=registry,
+        )
+        self.shared_state_seconds = Histogram(
+            "specroute_shared_state_seconds",
+            "Time a request waited for the shared state, per call that answered: `client` when it arrives, "
+            "`claim` when it takes a backend's slot.",
+            ["call"],
+            buckets=SHARED_STATE_BUCKETS,
             registry=registry,
         )
         self._live = _LiveState(pools, speeds, clock)

@@ -30,6 +30,7 @@ from router.clock import Clock, MonotonicClock
 from router.config import Batch, ConfigError, Settings, masked
 from router.errors import BadRequest, Conflict, NotFound
 from router.metrics import Metrics
+from router.replicas.shared import Replicas
 from router.request.forward import Forwarder
 from router.request.observe import Observer
 from router.request.pipeline import Pipeline
@@ -62,6 +63,7 @@ NEEDS_RESTART = (
     "batch.store",
     "batch.postgres_dsn_env",
     "batch.enabled",
+    "state.",
 )
 
 
@@ -104,6 +106,8 @@ class Router:
         self.transport = AiohttpTransport(connections_per_origin=1, tls=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
         self.clients = Clients(clock=self.clock)
         self.limiter = Limiter()  # its counters outlive a reload
+        # What the replicas share (router.replicas): nothing until `apply` names a store.
+        self.replicas = Replicas(pools=self.pools, clients=self.clients, metrics=self.metrics, clock=self.clock)
         self.traffic = TrafficRecorder(clock=self.clock)
         observer = Observer(self.metrics, self.speeds, self.traffic)
         self.owners = ResponseAffinity()  # which backend made each stored response (Responses API)
@@ -112,8 +116,9 @@ class Router:
         self.pipeline = Pipeline(
             pools=self.pools,
             clients=self.clients,
+            replicas=self.replicas,
             speeds=self.speeds,
-            forwarder=Forwarder(self.pools, self.transport, observer, self.clock),
+            forwarder=Forwarder(self.pools, self.transport, observer, self.clock, self.replicas),
             observer=observer,
             owners=StoredResponses(
                 pools=self.pools, owners=self.owners, locator=self.locator, observer=observer, clock=self.clock
@@ -194,6 +199,9 @@ class Router:
                 _log_drain(new, "a reload configured it anew (another URL or pool), the drain is not kept")
         self.clients.configure(settings.classify)
         self.limiter.configure(settings.fairness)
+        self.replicas.configure(
+            settings.state, stale_after=settings.scrape.stale_after, memory=settings.classify.client_memory_seconds
+        )
         # Timeouts and limits go with each request (the plan), so they reach pooled connections too.
         self.transport.configure(connections_per_origin=_connections_per_origin(self.pools), tls=tls)
         self.metrics.configure(settings.scrape, top_clients=settings.fairness.top_clients)

@@ -60,6 +60,7 @@ class FakeEngine:
     first_token_delay: float = 0.0
     requests: list[Seen] = field(default_factory=list)
     open: int = 0  # requests being served right now
+    most_open: int = 0  # the most it ever served at once
     aborted: int = 0  # requests whose client went away before the end
     healthy: bool = True
     health_checks: int = 0  # GET /health answered
@@ -292,6 +293,7 @@ class FakeEngine:
             stream = self._stream(answer_id, chat, tokens, usage, die_at=die_at, stall_at=stall_at)
             return StreamingResponse(stream, media_type="text/event-stream")
         self.open += 1
+        self.most_open = max(self.most_open, self.open)
         try:
             # A plain endpoint is not cancelled when its client leaves: look, as engines do.
             deadline = time.monotonic() + self.first_token_delay + self.token_delay * tokens
@@ -329,6 +331,7 @@ class FakeEngine:
         self, answer_id: str, chat: bool, tokens: int, usage: bool, *, die_at: int | None, stall_at: int | None
     ) -> AsyncIterator[str]:
         self.open += 1
+        self.most_open = max(self.most_open, self.open)
         finished = False
         try:
             base = {"id": answer_id, "created": 0, "model": self.model}

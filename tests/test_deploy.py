@@ -29,14 +29,15 @@ KUBERNETES = "1.37.0"  # the newest schemas kubernetes-validate ships
 OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}
 
 
-def _manifests() -> dict[str, dict[str, Any]]:
-    """Every resource listed in kustomization.yaml, by kind."""
+def _all_manifests() -> list[dict[str, Any]]:
+    """Every resource listed in kustomization.yaml."""
     listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
-    found = {}
-    for name in listed:
-        for doc in yaml.safe_load_all((K8S / name).read_text()):
-            found[doc["kind"]] = doc
-    return found
+    return [doc for name in listed for doc in yaml.safe_load_all((K8S / name).read_text())]
+
+
+def _manifests(name: str = "specroute") -> dict[str, dict[str, Any]]:
+    """The resources of one name (the router's, or Redis's: `specroute-redis`), by kind."""
+    return {doc["kind"]: doc for doc in _all_manifests() if doc["metadata"]["name"] == name}
 
 
 def test_kustomization_lists_every_manifest() -> None:
@@ -45,10 +46,10 @@ def test_kustomization_lists_every_manifest() -> None:
 
 
 def test_manifests_match_the_kubernetes_schemas() -> None:
-    manifests = _manifests()
-    assert set(manifests) == {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget", *OPERATOR_KINDS}
-    for kind, doc in manifests.items():
-        if kind not in OPERATOR_KINDS:
+    assert set(_manifests()) == {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget", *OPERATOR_KINDS}
+    assert set(_manifests("specroute-redis")) == {"Deployment", "Service"}
+    for doc in _all_manifests():
+        if doc["kind"] not in OPERATOR_KINDS:
             kubernetes_validate.validate(doc, KUBERNETES, strict=True)
 
 
@@ -81,6 +82,22 @@ def test_deployment_probes_grace_and_settings(tmp_path: Path) -> None:
     assert settings.auth.admin_key_env in env
     assert manifests["Deployment"]["spec"]["replicas"] >= 2
     assert manifests["PodDisruptionBudget"]["spec"]["minAvailable"] >= 1
+
+
+def test_the_replicas_share_the_redis_of_the_manifests(tmp_path: Path) -> None:
+    config = tmp_path / "router.yaml"
+    config.write_text(_manifests()["ConfigMap"]["data"]["router.yaml"])
+    url = load_settings(config).state.redis_url
+    redis = _manifests("specroute-redis")
+    [port] = redis["Service"]["spec"]["ports"]
+    assert url == f"redis://{redis['Service']['metadata']['name']}:{port['port']}/0"
+    assert (
+        redis["Service"]["spec"]["selector"].items()
+        <= redis["Deployment"]["spec"]["template"]["metadata"]["labels"].items()
+    )
+    [container] = redis["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert {p["containerPort"] for p in container["ports"]} == {port["targetPort"]}
+    assert redis["Deployment"]["spec"]["replicas"] == 1  # one Redis: the replicas' one view
 
 
 def test_service_monitor_finds_the_service() -> None:
@@ -153,7 +170,7 @@ def test_dockerfile_targets() -> None:
     assert runtime.count("/readyz") == 1 and "HEALTHCHECK" in runtime
     assert "SPECROUTE_LISTEN__HOST=0.0.0.0" in runtime
     # The runtime environment: the postgres extra (batch.store: postgres), not the tools.
-    assert "pip install -c /tmp/constraints.txt '.[postgres]'\n" in text
+    assert "pip install -c /tmp/constraints.txt '.[postgres,redis]'\n" in text
     assert "'.[tools]'" in text
 
 
@@ -164,6 +181,7 @@ def test_constraints_pin_every_dependency() -> None:
         if line and not line.startswith("#"):
             name, version = line.split("==")
             pinned[re.sub(r"[-_.]+", "-", name).lower()] = version
-    for requirement in [*project["dependencies"], *project["optional-dependencies"]["postgres"]]:
+    extras = project["optional-dependencies"]
+    for requirement in [*project["dependencies"], *extras["postgres"], *extras["redis"]]:
         name = re.split(r"[\[<>=!~ ]", requirement, maxsplit=1)[0]
         assert re.sub(r"[-_.]+", "-", name).lower() in pinned, f"{name} is not pinned in docker/constraints.txt"

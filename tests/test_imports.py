@@ -201,6 +201,17 @@ def test_the_postgres_store_is_imported_only_where_it_is_chosen() -> None:
     assert "router.batch.postgres" in set(_imports("router.batch.service"))
 
 
+@pytest.mark.parametrize("module", [m for m in MODULES if m != "router.replicas.redis"])
+def test_only_the_redis_store_imports_redis(module: str) -> None:
+    assert {name for name in _imports(module) if _under(name, ("redis",))} == set()
+
+
+def test_the_redis_store_is_imported_only_where_it_is_chosen() -> None:
+    importers = {m for m in MODULES if "router.replicas.redis" in set(_imports(m, top_level_only=True))}
+    assert importers == set()  # shared.py imports it inside the method that opens the store
+    assert "router.replicas.redis" in set(_imports("router.replicas.shared"))
+
+
 def test_the_cli_imports_a_subcommand_only_when_it_runs() -> None:
     heavy = (*TOOLS, "router.app", "uvicorn")
     assert {name for name in _imports("router.cli", top_level_only=True) if _under(name, heavy)} == set()

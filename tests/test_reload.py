@@ -384,6 +384,13 @@ RESTART: dict[str, Any] = {
     "batch.store_dir": "elsewhere",
     "batch.store": "postgres",
     "batch.postgres_dsn_env": "SPECROUTE_TEST_DSN",
+    "state.redis_url": "redis://127.0.0.1:1/0",
+    "state.key_prefix": "other",
+    "state.timeout": 0.1,
+    "state.sync_interval": 0.5,
+    "state.ttl": 20.0,
+    "state.max_clients": 10,
+    "state.max_connections": 4,
 }
 
 

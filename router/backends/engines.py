@@ -47,6 +47,18 @@ class EngineLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class Elsewhere:
+    """One backend's figures on the other router replicas (router.replicas): their slots in use,
+    and their requests sent since their own last reading of it."""
+
+    in_flight: int = 0
+    unread: int = 0
+
+
+ALONE = Elsewhere()
+
+
+@dataclass(frozen=True, slots=True)
 class Acceptance:
     """The last speculative acceptance measured, and when."""
 
@@ -57,7 +69,8 @@ class Acceptance:
 
 class EngineView:
     """One engine as the router sees it between scrapes. `in_flight` and `max_concurrency` are
-    the router's own slots on it (router.backends), passed in by whoever asks."""
+    the router's own slots on it (router.backends), passed in by whoever asks; `elsewhere`, the
+    other replicas' figures for it (router.replicas), added to the router's own."""
 
     def __init__(self) -> None:
         self.reading = EngineLoad()  # the latest scrape of its /metrics
@@ -148,7 +161,14 @@ class EngineView:
         return min(full_length, math.ceil(need / block) * block / size)
 
     def kv_projected(
-        self, now: float, stale_after: float, *, in_flight: int, max_concurrency: int, tokens: int | None = None
+        self,
+        now: float,
+        stale_after: float,
+        *,
+        in_flight: int,
+        max_concurrency: int,
+        tokens: int | None = None,
+        elsewhere: Elsewhere = ALONE,
     ) -> float | None:
         """The engine's KV usage once one more request is sent: the last reading, plus what each
         request sent since (and the next one) will take, at the usage per running request.
@@ -158,7 +178,7 @@ class EngineView:
         router's own requests at that usage each.
         """
         share = self.kv_per_request(max_concurrency, tokens)
-        since = self._since_reading(now, stale_after, in_flight=in_flight, share=share)
+        since = self._since_reading(now, stale_after, in_flight=in_flight, share=share, elsewhere=elsewhere)
         if since is None:
             return None  # the engine says nothing of its KV cache
         usage, sent = since
@@ -173,12 +193,13 @@ class EngineView:
         in_flight: int,
         max_concurrency: int,
         tokens: int | None = None,
+        elsewhere: Elsewhere = ALONE,
     ) -> int:
         """This router's requests sent since the reading that the KV cache holds no room for below
         the threshold, as projected: they wait inside the engine for others to finish. A burst
         faster than a scrape queues there before any reading shows it."""
         share = self.kv_per_request(max_concurrency, tokens)
-        since = self._since_reading(now, stale_after, in_flight=in_flight, share=share)
+        since = self._since_reading(now, stale_after, in_flight=in_flight, share=share, elsewhere=elsewhere)
         if since is None:
             return 0
         usage, sent = since
@@ -186,7 +207,7 @@ class EngineView:
         return max(0, sent - fits)
 
     def _since_reading(
-        self, now: float, stale_after: float, *, in_flight: int, share: float
+        self, now: float, stale_after: float, *, in_flight: int, share: float, elsewhere: Elsewhere
     ) -> tuple[float, int] | None:
         """The KV usage of the last reading, with this router's requests in it grown to what they
         will hold, and the router's requests it does not count: with no fresh reading (scrapes
@@ -199,17 +220,20 @@ class EngineView:
         takes those sent since (other clients' requests, of unknown length, as read). Taken as it
         read, a reading in the middle of a burst on the real engines (ten requests of one block, of
         the two each would hold) let two too many through, and the speculative engine preempted
-        requests to make room for them."""
+        requests to make room for them.
+
+        The other replicas' requests count as this router's do: all of them without a fresh
+        reading, else those they sent since their own last reading."""
         reading = self.reading
         if reading.kv_usage is None:
             return None
         if not reading.fresh(now, stale_after):
-            return 0.0, in_flight
+            return 0.0, in_flight + elsewhere.in_flight
         usage = reading.kv_usage
         if reading.running:
             growing = min(reading.own_in_flight, in_flight)
             usage += growing * max(0.0, share - reading.kv_usage / reading.running)
-        return usage, max(0, in_flight - reading.own_in_flight)
+        return usage, max(0, in_flight - reading.own_in_flight) + elsewhere.unread
 
     def has_room(
         self, now: float, stale_after: float, kv_threshold: float, *, max_concurrency: int, tokens: int | None = None
@@ -225,17 +249,18 @@ class EngineView:
             reading.kv_usage is None or reading.kv_usage + self.kv_per_request(max_concurrency, tokens) < kv_threshold
         )
 
-    def concurrency(self, now: float, stale_after: float, *, in_flight: int) -> int:
+    def concurrency(self, now: float, stale_after: float, *, in_flight: int, elsewhere: Elsewhere = ALONE) -> int:
         """Requests on the engine: what it reported, plus what this router sent it since.
 
         The engine's figure includes other clients and other routers, but lags by a scrape;
         the router's own count is exact but sees only itself. Never less than the latter.
         """
         reading = self.reading
+        everywhere = in_flight + elsewhere.in_flight
         if not reading.fresh(now, stale_after) or reading.running is None:
-            return in_flight
+            return everywhere
         reported = reading.running + (reading.waiting or 0)
-        return max(in_flight, round(reported) + max(0, in_flight - reading.own_in_flight))
+        return max(everywhere, round(reported) + max(0, in_flight - reading.own_in_flight) + elsewhere.unread)
 
     def accept_length(self, now: float, max_age: float) -> float | None:
         """Tokens a sequence gains per step, as last measured, if not older than `max_age`."""

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from router.backends.engines import EngineView
+from router.backends.engines import ALONE, Elsewhere, EngineView
 from router.backends.outlier import Outlier
 from router.config import Backend as BackendConfig
 from router.config import Health as HealthConfig
@@ -68,6 +68,7 @@ class Backend:
         self.api_key = config.api_key()
         self.max_concurrency = config.max_concurrency
         self.in_flight = 0
+        self.elsewhere: Elsewhere = ALONE  # its figures on the other replicas (router.replicas)
         self.sent = 0  # requests it was ever given a slot for
         self.draining = False  # set by an operator: no new work, running requests finish
         self.outlier = Outlier(name, pool)
@@ -89,12 +90,24 @@ class Backend:
         return self.outlier.healthy and not self.draining
 
     @property
+    def slots_used(self) -> int:
+        """Its slots in use, by this router and by the other replicas."""
+        return self.in_flight + self.elsewhere.in_flight
+
+    @property
     def has_room(self) -> bool:
-        return self.accepting and self.in_flight < self.max_concurrency
+        return self.accepting and self.slots_used < self.max_concurrency
 
     @property
     def load(self) -> float:
-        return self.in_flight / self.max_concurrency
+        return self.slots_used / self.max_concurrency
+
+    def unread(self, now: float, stale_after: float) -> int:
+        """This router's requests on it that its last fresh reading does not count."""
+        reading = self.engine.reading
+        if not reading.fresh(now, stale_after):
+            return self.in_flight
+        return max(0, self.in_flight - reading.own_in_flight)
 
     @property
     def auth_headers(self) -> list[tuple[str, str]]:
@@ -103,12 +116,17 @@ class Backend:
 
     def concurrency(self, now: float, stale_after: float) -> int:
         """Requests on the engine: its reading plus what this router sent since (router.backends.engines)."""
-        return self.engine.concurrency(now, stale_after, in_flight=self.in_flight)
+        return self.engine.concurrency(now, stale_after, in_flight=self.in_flight, elsewhere=self.elsewhere)
 
     def kv_projected(self, now: float, stale_after: float, tokens: int | None = None) -> float | None:
         """The engine's KV usage once one more request of `tokens` is sent (router.engines)."""
         return self.engine.kv_projected(
-            now, stale_after, in_flight=self.in_flight, max_concurrency=self.max_concurrency, tokens=tokens
+            now,
+            stale_after,
+            in_flight=self.in_flight,
+            max_concurrency=self.max_concurrency,
+            tokens=tokens,
+            elsewhere=self.elsewhere,
         )
 
     def overflow(self, now: float, stale_after: float, kv_threshold: float, tokens: int | None = None) -> int:
@@ -120,6 +138,7 @@ class Backend:
             in_flight=self.in_flight,
             max_concurrency=self.max_concurrency,
             tokens=tokens,
+            elsewhere=self.elsewhere,
         )
 
     def has_engine_room(self, now: float, stale_after: float, kv_threshold: float, tokens: int | None = None) -> bool:
@@ -250,6 +269,11 @@ class Pool:
                     code="queue_timeout",
                 ) from exc
             raise
+
+    def give_back(self, backend: Backend, *, client: str = "") -> None:
+        """A slot taken but never used: another replica held the backend's last one."""
+        backend.sent -= 1
+        self.release(backend, client=client)
 
     def release(self, backend: Backend, *, client: str = "", duration: float | None = None) -> None:
         backend.in_flight -= 1

@@ -14,6 +14,7 @@ from router.config.pools import Backend, Pool
 from router.config.routing import PLACEHOLDER_KEYS, Classify, Conversations, Learn, Match, Routing, Rule, Scrape
 from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown, Traffic
 from router.config.settings import CONFIG_ENV, ConfigError, Settings, describe_errors, load_settings, masked
+from router.config.state import State
 
 __all__ = [
     "CONFIG_ENV",
@@ -44,6 +45,7 @@ __all__ = [
     "Scrape",
     "Settings",
     "Shutdown",
+    "State",
     "Timeouts",
     "Tls",
     "Traffic",

@@ -17,6 +17,7 @@ from router.config.fairness import Fairness
 from router.config.pools import Pool
 from router.config.routing import Classify, Conversations, Learn, Routing, Scrape
 from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown, Traffic
+from router.config.state import State
 from router.content import CONTENT_KINDS
 
 CONFIG_ENV = "SPECROUTE_CONFIG"
@@ -46,6 +47,7 @@ class Settings(BaseSettings):
     responses: Responses = Responses()
     traffic: Traffic = Traffic()
     fairness: Fairness = Fairness()
+    state: State = State()
     max_body_bytes: int = Field(
         default=4 * 1024 * 1024,
         ge=1,
@@ -146,6 +148,9 @@ def masked(settings: Settings) -> dict[str, Any]:
         env = group["keys_env"]
         count = len([k for k in os.environ.get(env, "").split(",") if k.strip()])
         group["keys_env"] = f"{env} ({count} keys)"
+    url = data["state"]["redis_url"]
+    if url and "@" in url:
+        data["state"]["redis_url"] = "{}//***@{}".format(url.split("//", 1)[0], url.rsplit("@", 1)[1])
     env = data["batch"]["postgres_dsn_env"]
     if env:
         data["batch"]["postgres_dsn_env"] = f"{env} ({'set' if os.environ.get(env) else 'NOT SET'})"

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from router.backends.pools import Backend, Pool, Pools
 from router.clock import Clock
 from router.errors import NoBackendAvailable, RouterError, UpstreamError, UpstreamTimeout
+from router.replicas.shared import Replicas
 from router.request.decide import Routed
 from router.request.headers import request_headers
 from router.request.incoming import Incoming
@@ -123,8 +124,11 @@ class _Route:
 
 
 class Forwarder:
-    def __init__(self, pools: Pools, transport: Transport, observer: Observer, clock: Clock) -> None:
+    def __init__(
+        self, pools: Pools, transport: Transport, observer: Observer, clock: Clock, replicas: Replicas
+    ) -> None:
         self._pools = pools
+        self._replicas = replicas
         self._transport = transport
         self._observer = observer
         self._clock = clock
@@ -181,14 +185,25 @@ class Forwarder:
         tried; a pinned request waits for its one backend like any other."""
         queued_at = self._clock.now()
         exclude = frozenset(route.tried) if route.count else frozenset()
-        backend = await pool.acquire(
-            route.decision.job,
-            client=incoming.client,
-            weight=plan.groups.weight(incoming.group),
-            exclude=exclude,
-            only=routed.backend,
-            prefer=None if route.count else routed.prefer,  # where its prompt's prefix is cached
-        )
+        while True:
+            backend = await pool.acquire(
+                route.decision.job,
+                client=incoming.client,
+                weight=plan.groups.weight(incoming.group),
+                exclude=exclude,
+                only=routed.backend,
+                prefer=None if route.count else routed.prefer,  # where its prompt's prefix is cached
+            )
+            # A slot the other replicas (router.replicas) took meanwhile is given back, and the
+            # request waits for another.
+            try:
+                if await self._replicas.claim(backend):
+                    break
+            except BaseException:
+                pool.give_back(backend, client=incoming.client)
+                self._replicas.released(backend)
+                raise
+            pool.give_back(backend, client=incoming.client)
         now = self._clock.now()
         self._observer.queued(pool.name, route.decision, now - queued_at)
         route.queue_wait += now - queued_at
@@ -213,6 +228,7 @@ class Forwarder:
     def _release(self, incoming: Incoming, pool: Pool, backend: Backend) -> None:
         backend.first_tokens.forget(id(incoming))
         pool.release(backend, client=incoming.client, duration=self._clock.now() - incoming.arrival.started)
+        self._replicas.released(backend)
 
     async def _attempt(
         self, incoming: Incoming, routed: Routed, plan: Plan, backend: Backend, *, retry: bool

@@ -27,6 +27,7 @@ from router.backends.pools import Backend, Pools
 from router.clock import Clock
 from router.content import prompt_tokens, request_tokens
 from router.errors import RouterError, ShuttingDown
+from router.replicas.shared import Replicas
 from router.replies import error_response
 from router.request import ingress
 from router.request.decide import Routed, decide
@@ -56,6 +57,7 @@ class Pipeline:
         *,
         pools: Pools,
         clients: Clients,
+        replicas: Replicas,
         speeds: SpeedModel,
         forwarder: Forwarder,
         observer: Observer,
@@ -67,6 +69,7 @@ class Pipeline:
         self._pools = pools
         self._conversations = conversations
         self._clients = clients
+        self._replicas = replicas
         self._speeds = speeds
         self._forwarder = forwarder
         self._observer = observer
@@ -98,8 +101,11 @@ class Pipeline:
                 )
             new_client = self._clients.start(incoming.client)
             try:
-                # Decision: a new client's first burst shows itself first, then where and why.
-                await self._clients.settle(incoming.client, new=new_client)
+                # Decision: what the other replicas have of the client and the backends; a new
+                # client's first burst shows itself first (on them too); then where and why.
+                await self._replicas.arrived(incoming.client)
+                if await self._clients.settle(incoming.client, new=new_client):
+                    await self._replicas.arrived(incoming.client, again=True)  # the burst as it is now
                 now = self._clock.now()
                 prompt = None  # its conversation, where one is to be placed
                 if plan.conversations.enabled and incoming.arrival.method == "POST":
@@ -137,6 +143,7 @@ class Pipeline:
                 await self._serve_until_disconnect(receive, send, incoming, routed, plan, request)
             finally:
                 self._clients.finish(incoming.client)
+                self._replicas.left(incoming.client)
         except ClientGone:
             request.status = 499
         except RouterError as exc:

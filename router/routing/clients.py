@@ -2,7 +2,8 @@
 
 A client is the combination of what its requests carry (`client_id`); `Clients` counts each
 one's requests in flight and remembers its recent peak, so a batch job is still one when its
-next burst begins.
+next burst begins. With replicas sharing state (router.replicas), what the others have of a
+client in flight, and the peak they remember, count as well.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import fnmatch
 import hashlib
 import logging
+from collections.abc import Mapping
 
 from router.clock import Clock
 from router.config import Classify
@@ -89,6 +91,7 @@ class Clients:
         self._memory = self._burst_hold = 0.0
         self._threshold = 4
         self._in_flight: dict[str, int] = {}
+        self._elsewhere: dict[str, int] = {}  # the other replicas' requests in flight, of clients here
         self._peaks: dict[str, tuple[float, float]] = {}  # client -> (peak, when)
         self._holds: dict[str, asyncio.Event] = {}  # clients whose first requests are held
         self.proxies = ProxyNotice()
@@ -98,15 +101,15 @@ class Clients:
         self._burst_hold = config.burst_hold_seconds
         self._threshold = config.batch_inflight_threshold
 
-    async def settle(self, client: str, *, new: bool) -> None:
+    async def settle(self, client: str, *, new: bool) -> bool:
         """Hold the first requests of a client not seen lately (`new`, from `start`), for at most
         `burst_hold` seconds or until more than `threshold` of them are here: a batch job's first
         burst then shows itself before any of it is classified, and an interactive user's first
-        request waits that long (its later ones, not at all)."""
+        request waits that long (its later ones, not at all). True if it was held."""
         hold = self._holds.get(client)
         if hold is None:
             if not new or not self._burst_hold:
-                return
+                return False
             hold = self._holds[client] = asyncio.Event()
         try:
             async with asyncio.timeout(self._burst_hold):
@@ -117,12 +120,37 @@ class Clients:
             if self._holds.get(client) is hold:
                 del self._holds[client]
                 hold.set()  # the hold ends for everyone waiting on it
+        return True
+
+    def counts(self) -> Mapping[str, int]:
+        """Requests in flight here, per client (only clients with some)."""
+        return self._in_flight
 
     def __getitem__(self, client: str) -> int:
         return self._in_flight.get(client, 0)
 
     def load(self, client: str) -> float:
-        return max(self[client], self._remembered(client, self._clock.now()))
+        return max(self[client] + self._elsewhere.get(client, 0), self._remembered(client, self._clock.now()))
+
+    def share(self, client: str, *, elsewhere: int, peak: float) -> None:
+        """What the other replicas have of a client with requests here: its requests in flight
+        there, and its peak across all replicas (faded to now). A burst split between replicas
+        ends the hold once it is larger than the threshold in all."""
+        if client not in self._in_flight:
+            return  # its requests here have ended meanwhile
+        self._elsewhere[client] = elsewhere
+        now = self._clock.now()
+        peak = max(peak, self._in_flight[client] + elsewhere)
+        if self._memory and peak >= self._remembered(client, now):
+            if client not in self._peaks and len(self._peaks) >= self._PURGE_AT:
+                self._purge(now)
+            self._peaks[client] = (peak, now)
+        if self._in_flight[client] + elsewhere > self._threshold and client in self._holds:
+            self._holds[client].set()
+
+    def alone(self) -> None:
+        """The other replicas' figures are no longer known: from now on, this replica's own."""
+        self._elsewhere.clear()
 
     def start(self, client: str) -> bool:
         """Count a request in flight. True if it is the first of a client not seen lately: none of
@@ -132,6 +160,9 @@ class Clients:
         count = self._in_flight.get(client, 0) + 1
         new = count == 1 and self._remembered(client, now) < 0.5
         self._in_flight[client] = count
+        if new and self._burst_hold and client not in self._holds:
+            # Held from now, not from `settle`: its next request may come before this one settles.
+            self._holds[client] = asyncio.Event()
         if count > self._threshold and client in self._holds:
             self._holds[client].set()  # enough of a burst: classify them all now
         if self._memory and count >= self._remembered(client, now):
@@ -146,6 +177,10 @@ class Clients:
             self._in_flight[client] = left
         else:
             del self._in_flight[client]
+            self._elsewhere.pop(client, None)
+            hold = self._holds.pop(client, None)
+            if hold is not None:
+                hold.set()  # none of its requests left to hold
 
     def _remembered(self, client: str, now: float) -> float:
         if not self._memory or client not in self._peaks:

@@ -126,7 +126,7 @@ def predicted_ttft(
     fresh = reading.fresh(now, stale_after)
     waiting = (reading.waiting or 0) if fresh else 0
     queued = pool.queued()
-    slots_full = backend.in_flight >= backend.max_concurrency
+    slots_full = backend.slots_used >= backend.max_concurrency
     projected = backend.kv_projected(now, stale_after, tokens)  # past the threshold whenever any overflow
     no_room = (fresh and not backend.has_engine_room(now, stale_after, kv_threshold, tokens)) or (
         projected is not None and projected >= kv_threshold

@@ -223,7 +223,12 @@ def test_health_endpoints(cluster: Cluster) -> None:
     assert httpx.get(cluster.router.url + "/healthz").json() == {"status": "ok"}
     ready = httpx.get(cluster.router.url + "/readyz")
     assert ready.status_code == 200
-    assert ready.json() == {"ready": True, "backends": {"fast-1": True, "team-1": True}, "shutting_down": False}
+    assert ready.json() == {
+        "ready": True,
+        "backends": {"fast-1": True, "team-1": True},
+        "shutting_down": False,
+        "shared_state": {"store": "none", "sharing": False},  # alone: no state.redis_url
+    }
 
 
 def test_rule_on_api_key_makes_batch_and_rewrites_model(make_cluster: Any) -> None:

@@ -1,0 +1,8 @@
+"""What router replicas share: each client's requests in flight and remembered peak, and each
+backend's slots in use and requests sent since its last reading.
+
+    store.py   the interface a sharing mechanism implements (`Store`), and its records
+    redis.py   `RedisStore`: one Redis that every replica reaches (`state.redis_url`)
+    shared.py  `Replicas`: what the router asks, under a strict time budget; alone, or with a
+               store that is slow or down, the replica decides from its own view
+"""

@@ -1,0 +1,243 @@
+"""`Replicas`: what a router asks of the state it shares with its replicas, never waiting long.
+
+Alone (no `state.redis_url`), every call returns at once and the router decides from its own
+view, as a single router does. With a store, a request makes one call when it arrives (its
+client's figures, and every backend's, from the others) and one when it takes a slot (granted
+only if the replicas together stay within the backend's `max_concurrency`); each within
+`state.timeout`. What ends (a request, a slot) is written behind the request, and everything is
+written whole every `state.sync_interval`, which repairs any write lost or late.
+
+A call that fails or runs out of time turns the replica to its own view: logged once, shown in
+`/readyz` and in `specroute_shared_state_up`. It rejoins at the first sync that succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import socket
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+from router.backends.engines import ALONE, Elsewhere
+from router.backends.pools import Backend, Pools
+from router.clock import Clock
+from router.config import State
+from router.metrics import Metrics
+from router.replicas.store import Store, StoreError
+from router.routing.clients import Clients
+
+logger = logging.getLogger("specroute.replicas")
+
+_T = TypeVar("_T")
+
+
+def replica_id() -> str:
+    """This process among the replicas: its host, its pid, and a random part (a restarted
+    process is another replica: the old one's figures expire on their own)."""
+    return f"{socket.gethostname()[:64]}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def client_key(client: str) -> str:
+    """A client's id as the store holds it: bounded, and never its API key in the clear."""
+    return hashlib.blake2b(client.encode(), digest_size=12).hexdigest()
+
+
+class Replicas:
+    def __init__(self, *, pools: Pools, clients: Clients, metrics: Metrics, clock: Clock) -> None:
+        self._pools = pools
+        self._clients = clients
+        self._metrics = metrics
+        self._clock = clock
+        self._config = State()
+        self._stale_after = 5.0
+        self._memory = 0.0
+        self.replica = replica_id()
+        self._store: Store | None = None
+        self.sharing = False  # the store answered its last call
+        self._since = clock.now()  # when `sharing` last changed
+        self._last_error: str | None = None
+        self._others = 0  # live replicas besides this one, at the last sync
+        # Requests ended since last written, per client and per backend (written behind them).
+        self._ended_clients: Counter[str] = Counter()
+        self._ended_backends: Counter[str] = Counter()
+        self._changed = asyncio.Event()
+        # Clear while a sync is under way: a count sent meanwhile could land before the sync's
+        # whole figures, which were taken without it, and be overwritten.
+        self._between_syncs = asyncio.Event()
+        self._between_syncs.set()
+
+    def configure(self, config: State, *, stale_after: float, memory: float) -> None:
+        """`state` (read at start: the store is opened once), the scrape's `stale_after` and
+        classify's `client_memory_seconds`."""
+        self._config, self._stale_after, self._memory = config, stale_after, memory
+
+    def open(self, store: Store | None = None) -> None:
+        """Open the configured store (or `store`, another mechanism); the first sync joins it."""
+        config = self._config
+        if store is None and config.redis_url is not None:
+            from router.replicas.redis import RedisStore  # the `redis` extra, only when configured
+
+            store = RedisStore(
+                config.redis_url,
+                replica=self.replica,
+                key_prefix=config.key_prefix,
+                ttl=config.ttl,
+                memory=self._memory,
+                max_clients=config.max_clients,
+                max_connections=config.max_connections,
+                socket_timeout=max(config.sync_interval, config.timeout),
+            )
+        self._store = store
+        self._last_error = "not joined yet" if store is not None else None
+
+    async def aclose(self) -> None:
+        if self._store is not None:
+            await self._store.aclose()
+
+    def status(self) -> dict[str, Any]:
+        """For `/readyz`: whether the replica shares its state now, and since when."""
+        if self._store is None:
+            return {"store": "none", "sharing": False}
+        return {
+            "store": "redis" if self._config.redis_url else "other",
+            "sharing": self.sharing,
+            "since_seconds": round(self._clock.now() - self._since, 3),
+            "other_replicas": self._others if self.sharing else None,
+            "last_error": self._last_error,
+        }
+
+    # The request path.
+
+    async def arrived(self, client: str, *, again: bool = False) -> None:
+        """A request of `client` is counted here (router.routing.clients): count it there, and
+        learn what the other replicas have of the client and of every backend. `again`: the same
+        request, after its burst hold (counted already)."""
+        store = self._store
+        if store is None or not self.sharing:
+            return
+        share = await self._call("client", lambda: store.client(client_key(client), new=0 if again else 1))
+        if share is not None:
+            self._clients.share(client, elsewhere=share.in_flight, peak=share.peak)
+            self._apply(share.backends)
+
+    def left(self, client: str) -> None:
+        if self.sharing:
+            self._ended_clients[client_key(client)] += 1
+            self._changed.set()
+
+    async def claim(self, backend: Backend) -> bool:
+        """Whether the slot this router just took on `backend` is free across the replicas.
+        Alone, or with the store failing, it is."""
+        store = self._store
+        if store is None or not self.sharing:
+            return True
+        unread = backend.unread(self._clock.now(), self._stale_after)
+        claim = await self._call(
+            "claim", lambda: store.claim(backend.name, unread=unread, limit=backend.max_concurrency)
+        )
+        if claim is None:
+            return True
+        backend.elsewhere = claim.elsewhere
+        return claim.granted
+
+    def released(self, backend: Backend) -> None:
+        """A slot on `backend` that `claim` granted ended."""
+        if self.sharing:
+            self._ended_backends[backend.name] += 1
+            self._changed.set()
+
+    async def _call(self, what: str, call: Callable[[], Awaitable[_T]]) -> _T | None:
+        started = self._clock.now()
+        try:
+            async with asyncio.timeout(self._config.timeout):
+                await self._between_syncs.wait()
+                result = await call()
+        except TimeoutError:
+            self._alone(f"no answer within {self._config.timeout:g} s ({what})")
+            return None
+        except StoreError as exc:
+            self._alone(f"{exc} ({what})")
+            return None
+        self._metrics.shared_state_seconds.labels(what).observe(self._clock.now() - started)
+        return result
+
+    # Behind the requests.
+
+    async def run(self) -> None:
+        """Sync every `sync_interval`; between syncs, write what ended as it ends."""
+        if self._store is None:
+            return
+        while True:
+            await self._sync()
+            due = self._clock.now() + self._config.sync_interval
+            while (left := due - self._clock.now()) > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left):
+                        await self._changed.wait()
+                self._changed.clear()
+                if self.sharing and (self._ended_clients or self._ended_backends):
+                    await self._ended()
+
+    async def _ended(self) -> None:
+        assert self._store is not None
+        clients, self._ended_clients = self._ended_clients, Counter()
+        backends, self._ended_backends = self._ended_backends, Counter()
+        now = self._clock.now()
+        unread = {b.name: b.unread(now, self._stale_after) for b in self._pools.backends() if b.name in backends}
+        try:
+            async with asyncio.timeout(self._config.sync_interval):
+                await self._store.ended(clients, backends, unread)
+        except (TimeoutError, StoreError) as exc:
+            self._alone(str(exc) or "no answer to a write")
+
+    async def _sync(self) -> None:
+        assert self._store is not None
+        now = self._clock.now()
+        clients = {client_key(c): n for c, n in self._clients.counts().items()}
+        backends = {b.name: self._own(b, now) for b in self._pools.backends() if b.in_flight}
+        self._ended_clients, self._ended_backends = Counter(), Counter()  # in the counts above
+        self._between_syncs.clear()
+        try:
+            async with asyncio.timeout(self._config.sync_interval):
+                view = await self._store.sync(clients, backends)
+        except (TimeoutError, StoreError) as exc:
+            self._alone(str(exc) or f"no answer to a sync within {self._config.sync_interval:g} s")
+            return
+        finally:
+            self._between_syncs.set()
+        self._others = view.replicas
+        if not self.sharing:
+            self.sharing, self._since, self._last_error = True, self._clock.now(), None
+            self._metrics.shared_state_up.set(1)
+            logger.info("shared state: joined the other replicas (%d live)", view.replicas)
+        self._apply(view.backends)
+
+    def _own(self, backend: Backend, now: float) -> Elsewhere:
+        return Elsewhere(backend.in_flight, backend.unread(now, self._stale_after))
+
+    def _apply(self, backends: Mapping[str, Elsewhere]) -> None:
+        for backend in self._pools.backends():
+            backend.elsewhere = backends.get(backend.name, ALONE)
+        for pool in self._pools:
+            pool.wake()  # a slot another replica freed may be this one's queue's now
+
+    def _alone(self, why: str) -> None:
+        """The store failed: decide from this replica's own view until a sync succeeds."""
+        self._last_error = why
+        if not self.sharing:
+            return
+        self.sharing, self._since = False, self._clock.now()
+        self._metrics.shared_state_up.set(0)
+        self._metrics.shared_state_fallbacks.inc()
+        logger.warning("shared state: deciding alone from now on, until the store answers again: %s", why)
+        self._clients.alone()
+        for backend in self._pools.backends():
+            backend.elsewhere = ALONE
+        for pool in self._pools:
+            pool.wake()

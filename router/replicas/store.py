@@ -1,0 +1,72 @@
+"""The interface of a store that replicas share, and what it answers.
+
+A store keeps, for each replica, its own figures (a client's requests in flight, a backend's
+slots in use and requests sent since the replica's last reading of it), and answers with the
+sum of the other live replicas' figures. What a request changes is counted as it changes (an
+arrival, a slot taken, what ended); `sync` writes everything whole, which repairs a count lost
+or doubled by a call that ran out of time. A store raises `StoreError` for anything that goes wrong,
+whatever its cause (a connection lost, an answer that is not what was asked); `Replicas`
+(router.replicas.shared) bounds each call in time and falls back to the replica's own view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from router.backends.engines import Elsewhere
+
+
+class StoreError(Exception):
+    """The store did not answer as it should (unreachable, refused, or an answer out of shape)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientShare:
+    """A client as the other replicas see it, and the backends' figures elsewhere."""
+
+    in_flight: int  # the client's requests in flight on the other replicas
+    peak: float  # its remembered peak across all replicas, faded to now
+    backends: Mapping[str, Elsewhere]
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """What a sync answers: the other live replicas, and the backends' figures on them."""
+
+    replicas: int
+    backends: Mapping[str, Elsewhere]
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    granted: bool  # the slot was free across all replicas, and is now this replica's
+    elsewhere: Elsewhere  # the backend's figures on the other replicas
+
+
+class Store(Protocol):
+    """A sharing mechanism between replicas (Redis; another process's, for worker processes)."""
+
+    async def client(self, client: str, *, new: int) -> ClientShare:
+        """A request of `client` (an opaque, bounded id) arrived here (`new` 1), or is looked at
+        again (0): count it, fold the client's total into its shared peak, and answer the others'
+        figures."""
+        ...
+
+    async def claim(self, backend: str, *, unread: int, limit: int) -> Claim:
+        """One more slot on `backend` for this replica: granted, and counted, only if the replicas
+        together then hold at most `limit`. `unread`: this replica's requests there sent since its
+        last reading of the engine."""
+        ...
+
+    async def ended(self, clients: Mapping[str, int], backends: Mapping[str, int], unread: Mapping[str, int]) -> None:
+        """Requests that ended here, per client and per backend, and those backends' `unread` now."""
+        ...
+
+    async def sync(self, clients: Mapping[str, int], backends: Mapping[str, Elsewhere]) -> View:
+        """All of this replica's figures, replacing what the store had of it (and keeping it
+        alive there); answers what the other replicas have."""
+        ...
+
+    async def aclose(self) -> None: ...
