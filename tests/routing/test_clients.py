@@ -192,3 +192,48 @@ def test_proxy_warnings_are_bounded() -> None:
     for number in range(ProxyNotice._MAX * 4):
         notice.check(f"10.1.{number // 256}.{number % 256}", "203.0.113.7")
     assert len(notice._warned) == ProxyNotice._MAX
+
+
+def test_what_the_other_replicas_have_counts_as_this_ones() -> None:
+    clock = ManualClock()
+    clients = _clients(clock, client_memory_seconds=10)
+    clients.start("etl")
+    clients.start("etl")
+    clients.share("etl", elsewhere=3, peak=4.0)
+    assert clients.load("etl") == 5  # two here, three elsewhere
+    clients.alone()  # the store failed: this replica's own view, and what it remembered
+    assert clients.load("etl") == 5
+    clock.advance(10)
+    assert clients.load("etl") == 2.5  # the peak of five, halved once
+    clients.finish("etl")
+    clients.finish("etl")
+    clients.share("etl", elsewhere=50, peak=50.0)  # of a client with nothing here: not kept
+    assert clients.load("etl") == 2.5
+
+
+def test_a_shared_peak_is_remembered_here() -> None:
+    clock = ManualClock()
+    clients = _clients(clock, client_memory_seconds=10)
+    clients.start("etl")
+    clients.share("etl", elsewhere=0, peak=8.0)  # the job's peak, seen by the others
+    clients.finish("etl")
+    assert clients.load("etl") == 8
+    assert not clients.start("etl")  # not new: no hold for its next burst
+
+
+@pytest.mark.anyio
+async def test_a_burst_split_between_replicas_ends_the_hold_once_it_shows_in_all() -> None:
+    import asyncio
+
+    clients = _clients(ManualClock(), client_memory_seconds=0, burst_hold_seconds=30.0, batch_inflight_threshold=4)
+    new = clients.start("etl")
+    second = clients.start("etl")  # arrived before the first one settles: held with it
+    held = [asyncio.create_task(clients.settle("etl", new=flag)) for flag in (new, second)]
+    await asyncio.sleep(0)
+    assert not any(task.done() for task in held)
+    clients.share("etl", elsewhere=2, peak=4.0)  # four in all: not more than the threshold yet
+    await asyncio.sleep(0)
+    assert not any(task.done() for task in held)
+    clients.share("etl", elsewhere=3, peak=5.0)  # five: the burst shows
+    assert await asyncio.wait_for(asyncio.gather(*held), 10) == [True, True]
+    assert clients.load("etl") - 1 >= 4
