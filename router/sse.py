@@ -15,6 +15,7 @@ from typing import Any
 _SEPARATORS = (b"\n\n", b"\r\n\r\n")
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n")  # the same, either, wherever it comes first
 _OVERLAP = 3  # bytes of a separator that may sit at the end of the previous chunk
+_MAX_TOKENS = 2**31  # tokens no request reaches
 
 
 class EventTooLarge(ValueError):
@@ -115,15 +116,19 @@ class StreamWatch:
 def completion_tokens(usage: dict[str, Any] | None) -> int | None:
     if not usage:
         return None
-    value = usage.get("completion_tokens", usage.get("output_tokens"))
-    return value if isinstance(value, int) else None
+    return _count(usage.get("completion_tokens", usage.get("output_tokens")))
 
 
 def prompt_tokens(usage: dict[str, Any] | None) -> int | None:
     if not usage:
         return None
-    value = usage.get("prompt_tokens", usage.get("input_tokens"))
-    return value if isinstance(value, int) else None
+    return _count(usage.get("prompt_tokens", usage.get("input_tokens")))
+
+
+def _count(value: Any) -> int | None:
+    """A token count as an engine can report it; else (negative, a bool, past any model's
+    length, a JSON integer no float holds) none: metrics, speeds and limits take no lie."""
+    return value if type(value) is int and 0 <= value < _MAX_TOKENS else None
 
 
 def _notable(data: bytes) -> bool:
