@@ -27,16 +27,17 @@ def client_id(api_key: str | None, user: str | None, address: str | None) -> str
     `api_key` is an identity unless it is a placeholder (the caller passes None then, see
     `Placeholders`: "none" tells nobody apart); it is kept only as a hash. Users sharing one key
     are told apart by the body's `user`; everyone behind one address, by their key or `user`.
+    The `user` is kept as a hash too: the body's any length, every table keyed by client small.
     """
     parts = [f"key:{key_hash(api_key)}"] if api_key else []
     if user:
-        parts.append(f"user:{user}")
+        parts.append(f"user:{key_hash(user)}")
     parts.append(f"addr:{address or 'unknown'}")
     return " ".join(parts)
 
 
 def key_hash(api_key: str) -> str:
-    """An API key as the router keeps it: 16 hex digits of its BLAKE2b digest, never the key."""
+    """An API key (or a `user`) as the router keeps it: 16 hex digits of its BLAKE2b digest."""
     return hashlib.blake2b(api_key.encode(), digest_size=8).hexdigest()
 
 

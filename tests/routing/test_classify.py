@@ -95,9 +95,9 @@ def test_threshold_is_configurable() -> None:
     [
         # Everything present counts: a key shared by a team, a `user` shared across machines
         # and one address in front of everyone each tell users apart only together.
-        ("k1", "alice", "10.0.0.1", f"key:{key_hash('k1')} user:alice addr:10.0.0.1"),
+        ("k1", "alice", "10.0.0.1", f"key:{key_hash('k1')} user:{key_hash('alice')} addr:10.0.0.1"),
         ("k1", None, "10.0.0.1", f"key:{key_hash('k1')} addr:10.0.0.1"),
-        (None, "alice", "10.0.0.1", "user:alice addr:10.0.0.1"),
+        (None, "alice", "10.0.0.1", f"user:{key_hash('alice')} addr:10.0.0.1"),
         (None, None, "10.0.0.1", "addr:10.0.0.1"),
         (None, None, None, "addr:unknown"),
     ],
