@@ -281,12 +281,15 @@ class PrefillRate:
 
     SAMPLES = 64  # intervals kept
     MIN_SPREAD = 2.0  # the longest mean prompt over the shortest, for a slope
+    # Past these, a reading is a broken engine's, and its squares would overflow the fit.
+    MAX_TOKENS = 2.0**31  # mean prompt tokens computed per request
+    MAX_SECONDS = 86_400.0  # mean seconds in prefill per request
 
     def __init__(self) -> None:
         self._samples: deque[tuple[float, float]] = deque(maxlen=self.SAMPLES)
 
     def observe(self, tokens: float, seconds: float) -> None:
-        if tokens > 0 and seconds >= 0 and math.isfinite(tokens) and math.isfinite(seconds):
+        if 0 < tokens <= self.MAX_TOKENS and 0 <= seconds <= self.MAX_SECONDS:
             self._samples.append((tokens, seconds))
 
     @property

@@ -1,0 +1,55 @@
+"""Hostile engines' `/metrics`: prefix-cache and prefill counters no engine could reach. The
+router learns nothing from them that breaks a decision: every request is still served."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from tests.conftest import Cluster, running_cluster
+from tests.wait import wait_until
+
+pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
+
+CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "hello " * 200}], "max_tokens": 2}
+
+
+def _metrics(prompt_tokens: float, cache_hits: float, prefills: int, prefill_seconds: float) -> str:
+    return (
+        f"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+        f"vllm:prompt_tokens_total {prompt_tokens!r}\nvllm:prefix_cache_hits_total {cache_hits!r}\n"
+        f"vllm:request_prefill_time_seconds_count {prefills}\n"
+        f"vllm:request_prefill_time_seconds_sum {prefill_seconds!r}\n"
+    )
+
+
+def _scraped_from(served: int, cluster: Cluster) -> Callable[[], bool]:
+    return lambda: cluster.fast.metrics_served > served
+
+
+@pytest.mark.parametrize(
+    ("tokens", "seconds"),
+    [(1e200, 1.0), (1.0, 1e300), (1e300, 1e300)],
+    ids=["tokens", "seconds", "both"],
+)
+def test_absurd_prefill_counters_break_no_decision(tokens: float, seconds: float) -> None:
+    with running_cluster(scrape={"interval": 0.02}) as cluster:
+        engine = cluster.fast
+        # Counters that grow by `tokens` (or three times that) and `seconds` a scrape: enough
+        # intervals, spread enough, for the router to fit a prefill rate from them.
+        total_tokens = total_seconds = 0.0
+        for interval in range(8):
+            total_tokens += tokens * (3 if interval % 2 else 1)
+            total_seconds += seconds * (interval % 2)
+            engine.metrics = _metrics(total_tokens, 0.0, interval + 1, total_seconds)
+            wait_until(_scraped_from(engine.metrics_served, cluster), message="a scrape of the new reading")
+        answer = httpx.post(cluster.base_url + "/chat/completions", json=CHAT, timeout=30)
+        assert answer.status_code == 200, answer.text
+        status = httpx.get(cluster.router.url + "/router/status", timeout=30).json()
+        assert status["pools"]["fast"]["in_flight"] == 0
+        for family in cluster.registry.collect():
+            for sample in family.samples:
+                assert not math.isnan(sample.value), sample
