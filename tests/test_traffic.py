@@ -155,6 +155,25 @@ def test_the_router_records_what_it_served_and_export_writes_it(tmp_path: Path) 
     assert second["at"] >= first["at"]
 
 
+@pytest.mark.e2e
+def test_the_configured_session_header_names_the_conversation(tmp_path: Path) -> None:
+    path = tmp_path / "traffic.jsonl"
+    with running_cluster(
+        traffic={"path": str(path), "flush_seconds": 0.05}, conversations={"session_header": "X-Thread"}
+    ) as cluster:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="sk-team", max_retries=0)
+        for thread in ("t-1", "t-1", "t-2"):
+            client.chat.completions.create(
+                model="test-model",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=2,
+                extra_headers={"X-Thread": thread},
+            )
+        wait_until(lambda: len(list(read_record(path))) == 3, message="three entries written")
+    first, again, other = (entry.conversation for entry in read_record(path))
+    assert first is not None and first == again and other not in (None, first)
+
+
 def test_export_without_a_record_says_so(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "router.cli", "trace", "export", str(tmp_path / "none.jsonl")],

@@ -310,15 +310,15 @@ class Pipeline:
             tokens=outcome.tokens if outcome is not None else None,
             prompt_tokens=outcome.prompt_tokens if outcome is not None else None,
             accept_length=backend.engine.accept_length(now, plan.acceptance_max_age) if backend is not None else None,
-            conversation=_conversation(incoming) if incoming is not None else None,
+            conversation=_conversation(incoming, plan.conversations.session_header) if incoming is not None else None,
             declared=incoming is not None and plan.job_header in incoming.arrival.headers,
         )
 
 
-def _conversation(incoming: Incoming) -> str | None:
+def _conversation(incoming: Incoming, session_header: str) -> str | None:
     """Which conversation a request belongs to, where the client says: its session header, or
     the stored response it continues."""
-    session = incoming.arrival.headers.get("x-session-id")
+    session = incoming.arrival.headers.get(session_header.lower())
     if session:
         return f"session:{session[:256]}"
     previous = incoming.field("previous_response_id", str)
