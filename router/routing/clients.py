@@ -190,5 +190,12 @@ class Clients:
         return float(peak * 0.5 ** ((now - when) / self._memory))
 
     def _purge(self, now: float) -> None:
-        for client in [c for c in self._peaks if self._remembered(c, now) < 1 and c not in self._in_flight]:
+        """Forget faded clients; if a flood of live ones leaves more than half the cap, the least
+        recently seen of those idle too: memory stays bounded, and a purge runs once per many."""
+        idle = [c for c in self._peaks if c not in self._in_flight]
+        for client in [c for c in idle if self._remembered(c, now) < 1]:
             del self._peaks[client]
+        excess = len(self._peaks) - self._PURGE_AT // 2
+        if excess > 0:
+            for client in sorted((c for c in idle if c in self._peaks), key=lambda c: self._peaks[c][1])[:excess]:
+                del self._peaks[client]

@@ -56,9 +56,41 @@ def test_memory_is_bounded() -> None:
     for number in range(Clients._PURGE_AT + 5):
         clients.start(f"c{number}")
         clients.finish(f"c{number}")
+    assert len(clients._peaks) <= Clients._PURGE_AT
     clock.advance(100)
-    clients.start("late")  # everyone before has faded: purged
-    assert len(clients._peaks) <= 6
+    for number in range(Clients._PURGE_AT // 2 + 1):
+        clients.start(f"late{number}")  # everyone before has faded: purged at the cap
+    assert len(clients._peaks) <= Clients._PURGE_AT // 2 + 1
+    assert not any(client.startswith("c") for client in clients._peaks)
+
+
+def test_a_flood_of_live_clients_is_bounded() -> None:
+    """Hostile: distinct clients, each with two requests in flight at once (a peak that has not
+    faded), faster than the memory fades. The least recently seen idle ones go; a batch job with
+    requests in flight keeps its peak."""
+    clock = ManualClock()
+    clients = _clients(clock, client_memory_seconds=60)
+    for _ in range(50):
+        clients.start("etl")
+    purges = 0
+    purge = clients._purge
+
+    def counted(now: float) -> None:
+        nonlocal purges
+        purges += 1
+        purge(now)
+
+    clients._purge = counted  # type: ignore[method-assign]
+    for number in range(3 * Clients._PURGE_AT):
+        clock.advance(0.001)
+        for _ in range(2):
+            clients.start(f"k{number}")
+        for _ in range(2):
+            clients.finish(f"k{number}")
+        assert len(clients._peaks) <= Clients._PURGE_AT
+    assert purges <= 6  # once per half the cap's new clients, not once per client
+    assert clients.load("etl") == 50
+    assert clients.load(f"k{3 * Clients._PURGE_AT - 1}") > 1  # the latest are remembered
 
 
 @pytest.mark.anyio
