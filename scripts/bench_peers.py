@@ -10,6 +10,9 @@ format), all on loopback:
     sglang-router  from PyPI, round_robin over both engines
     floor          scripts/peers_floor.py: uvicorn and aiohttp relaying, nothing else (the router's floor)
     floor-granian, floor-aiohttp  the same relay on Granian or on aiohttp's own server (another floor?)
+    floor-protocol scripts/peers_floor_protocol.py: the relay on asyncio protocol callbacks under
+                   uvloop, httptools on both sides, each body piece written straight through (the
+                   floor of a streaming path at the protocol level, issue 24)
     specroute      this checkout: `specroute serve --config`, both engines in each pool,
                    max_concurrency 1024, queue 4096, every feature on
     specroute-before  the same, from another executable (--specroute-before: a change's base, to
@@ -57,6 +60,7 @@ TARGETS = (
     "floor",
     "floor-granian",
     "floor-aiohttp",
+    "floor-protocol",
     "specroute",
     "specroute-before",
 )
@@ -189,6 +193,9 @@ class Stack:
                     "--port", str(port), "--worker-urls", a, b, "--policy", "round_robin", "--log-level", "warn",
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                     "--worker-startup-check-interval", "1"]  # fmt: skip
+        if self.target == "floor-protocol":
+            return [str(cache / "tools/bin/python"), str(SCRIPTS / "peers_floor_protocol.py"), "--port", str(port),
+                    "--engine", a, "--engine", b]  # fmt: skip
         if self.target.startswith("floor"):  # floor, floor-granian, floor-aiohttp
             server = self.target.partition("-")[2] or "uvicorn"
             return [str(cache / "tools/bin/python"), str(SCRIPTS / "peers_floor.py"), "--port", str(port),
