@@ -114,6 +114,7 @@ class EngineSide(asyncio.Protocol):
         self.transport: asyncio.Transport
         self.client: ClientSide | None = None
         self._content_type = b"application/json"
+        self._out: list[bytes] = []  # what one read brought, framed: written once after it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is one, though not by class
@@ -127,6 +128,13 @@ class EngineSide(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError:
             self.transport.close()
+        self._flush()
+
+    def _flush(self) -> None:
+        # llhttp calls on_body once per chunk of a chunked body: one write per read, not per event.
+        if self._out and self.client is not None:
+            self.client.transport.writelines(self._out)
+        self._out.clear()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if name.lower() == b"content-type":
@@ -139,14 +147,14 @@ class EngineSide(asyncio.Protocol):
         self.client.transport.write(head % (status, HTTPStatus(status).phrase.encode(), self._content_type))
 
     def on_body(self, body: bytes) -> None:
-        assert self.client is not None
-        self.client.transport.writelines((b"%x\r\n" % len(body), body, b"\r\n"))
+        self._out += (b"%x\r\n" % len(body), body, b"\r\n")
 
     def on_message_complete(self) -> None:
+        self._out.append(_END)
+        self._flush()
         client, self.client = self.client, None
         assert client is not None
         client.engine = None
-        client.transport.write(_END)
         if self.parser.should_keep_alive():
             self.engines.give_back(self)
         else:
