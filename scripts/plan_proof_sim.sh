@@ -14,9 +14,10 @@ SPECROUTE_TRAFFIC__PATH="$out/traffic.jsonl" specroute serve --port "$port" --ti
 router=$!
 trap 'kill $router 2>/dev/null || true' EXIT
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/readyz" > /dev/null && break; sleep 0.2; done
-# The measured run: 4 interactive users and a 124-request batch job, 512-token answers, 300 s.
+# The measured run: 4 interactive users and a 124-request batch job, 512-token answers, 300 s
+# (DURATION=...).
 specroute bench mixed --base-url "http://127.0.0.1:$port/v1" --time-scale "$scale" --interactive 4 \
-  --batch 124 --duration 300 --out "$out/measured" > "$out/measured.log" 2>&1
+  --batch 124 --duration "${DURATION:-300}" --out "$out/measured" > "$out/measured.log" 2>&1
 sleep 2  # the record's last second written
 kill $router; wait $router 2>/dev/null || true
 specroute trace export "$out/traffic.jsonl" --out "$out/record.jsonl"

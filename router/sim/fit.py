@@ -204,10 +204,9 @@ def _speculation(measured: list[Sweep], base: Profile, notes: list[str]) -> Spec
         if kind not in acceptance:  # not measured and not in the base: as the kind measured
             acceptance[kind] = next(a for a in acceptance.values())
             notes.append(f"speculation: {kind} acceptance not measured, taken as the other kind's")
-    costs = base.speculation or Speculation(
-        num_tokens=k, draft_s=0.0, draft_token_s=0.0, accepted_token_s=0.0, acceptance=acceptance
-    )
-    return costs.model_copy(update={"num_tokens": k, "acceptance": acceptance})
+    # The drafter's costs are this engine's own: folded into the step costs fitted below, not
+    # taken from a base that may be another engine (its costs could exceed this one's steps).
+    return Speculation(num_tokens=k, draft_s=0.0, draft_token_s=0.0, accepted_token_s=0.0, acceptance=acceptance)
 
 
 def _running_cap(measured: list[Sweep]) -> int | None:
