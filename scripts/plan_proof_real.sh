@@ -10,7 +10,7 @@ out=${1:-docs/bench/plan-real}
 mkdir -p "$out"
 scripts/real-engines install
 fast=http://127.0.0.1:9211 team=http://127.0.0.1:9212 router=http://127.0.0.1:9210
-scripts/real-engines serve 9211 9212 >"$out/engines.log" 2>&1 &
+scripts/real-engines serve 9211 9212 >/tmp/plan-proof-engines.log 2>&1 &
 engines=$!
 trap 'kill $engines ${serve:-} 2>/dev/null; wait' EXIT
 up() {  # until $1 answers 200, at most $2 seconds
@@ -68,22 +68,4 @@ router_up replay
 specroute bench replay --base-url $router/v1 --record "$out/record.jsonl" --out "$out/replayed" >/dev/null
 kill $serve; wait $serve 2>/dev/null || true
 rm -f "$out/traffic.jsonl" "$out/traffic.jsonl.1"
-python - "$out" <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-plan = json.loads((out / "plan" / "plan.json").read_text())
-split = {s["label"]: s for s in plan["splits"]}["4 speculative + 4 standard"]
-measured = json.loads((out / "replayed" / "replay.json").read_text())
-rows = [
-    ("interactive first token p50 (s)", split["interactive"]["ttft_p50"], measured["interactive"]["ttft_p50"]),
-    ("interactive first token p95 (s)", split["interactive"]["ttft_p95"], measured["interactive"]["ttft_p95"]),
-    ("interactive per-user tok/s", split["interactive"]["per_user_tps"], measured["interactive"]["per_user_tps"]),
-    ("batch tok/s", split["batch"]["tokens_per_s"], measured["batch"]["tokens_per_s"]),
-]
-lines = ["| figure (one engine a pool) | planned | measured | error |", "|---|---:|---:|---:|"]
-lines += [f"| {name} | {p:.2f} | {m:.2f} | {(p - m) / m:+.1%} |" for name, p, m in rows]
-lines.append(f"\nRecommended: {plan['recommended']} ({plan['reason']})")
-(out / "comparison.md").write_text("\n".join(lines) + "\n")
-print("\n".join(lines))
-PY
+python scripts/plan_compare.py "$out/plan/plan.json" "$out/replayed/replay.json" "4 speculative + 4 standard" "$out/comparison.md"

@@ -24,22 +24,4 @@ specroute trace export "$out/traffic.jsonl" --out "$out/record.jsonl"
 # The plan, from that record; then the same with the batch traffic doubled.
 specroute plan --record "$out/record.jsonl" --record-time-scale "$scale" --nodes 8 --time-scale "$scale" --out "$out/plan"
 specroute plan --record "$out/record.jsonl" --record-time-scale "$scale" --nodes 8 --time-scale "$scale" --batch-scale 2 --out "$out/plan-batch2"
-python - "$out" <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-plan = json.loads((out / "plan" / "plan.json").read_text())
-split = {s["label"]: s for s in plan["splits"]}["4 speculative + 4 standard"]
-measured = next(iter(json.loads((out / "measured" / "mixed.json").read_text())["layouts"].values()))
-rows = [
-    ("interactive first token p50 (s)", split["interactive"]["ttft_p50"], measured["interactive"]["ttft_p50"]),
-    ("interactive first token p95 (s)", split["interactive"]["ttft_p95"], measured["interactive"]["ttft_p95"]),
-    ("interactive per-user tok/s", split["interactive"]["per_user_tps"], measured["interactive"]["per_user_tps"]),
-    ("batch tok/s", split["batch"]["tokens_per_s"], measured["batch"]["total_tps"]),
-]
-lines = ["| figure (4 speculative + 4 standard) | planned | measured | error |", "|---|---:|---:|---:|"]
-lines += [f"| {name} | {p:.2f} | {m:.2f} | {(p - m) / m:+.1%} |" for name, p, m in rows]
-lines.append(f"\nRecommended: {plan['recommended']} ({plan['reason']})")
-(out / "comparison.md").write_text("\n".join(lines) + "\n")
-print("\n".join(lines))
-PY
+python scripts/plan_compare.py "$out/plan/plan.json" "$out/measured/mixed.json" "4 speculative + 4 standard" "$out/comparison.md"

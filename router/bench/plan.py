@@ -290,7 +290,7 @@ def main(args: Any) -> int:
         print(f"  {split.label}: replayed in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     best, reason = recommend(outcomes, ttft_target=args.ttft_target)
     markdown = (
-        f"## plan: {args.nodes} nodes, {fast.name} ({fast.nodes} a engine) and {team.name} ({team.nodes})\n\n"
+        f"## plan: {args.nodes} nodes, {fast.name} ({fast.nodes} nodes an engine) and {team.name} ({team.nodes})\n\n"
         f"{table(outcomes, ttft_target=args.ttft_target)}\n\n"
         f"**Recommended: {best.split.label}** — {reason}."
     )
