@@ -244,6 +244,7 @@ RELOADABLE: dict[str, tuple[Any, Observe | WithEngine]] = {
     "pools.*.backends.*.max_concurrency": (2, lambda r: _backend(r).max_concurrency),
     "pools.*.queue_size": (3, lambda r: r.pools["fast"].queue_size),
     "pools.*.queue_timeout": (3.0, lambda r: r.pools["fast"].queue_timeout),
+    "pools.*.priority_scheduling": (True, lambda r: r.pools["fast"].priority_scheduling),
     "pools.*.prior_speed": ({"prose": {1: 50.0}}, lambda r: r.speeds.prior("f1", "prose")),
     "headers.pool": ("X-Pool", lambda r: _classify(r, {"x-pool": "team"}).pinned_pool),
     "headers.ttft_target": ("X-Deadline-Ms", lambda r: r.plan.ttft.of({"x-deadline-ms": "500"})),

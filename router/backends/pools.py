@@ -171,6 +171,7 @@ class Pool:
         self.queue_timeout = queue_timeout
         self._waiters: dict[JobClass, list[_Waiter]] = {"interactive": [], "batch": []}
         self.fair_share = True  # else first come, first served within a class
+        self.priority_scheduling = False  # its engines order requests by their `priority` field
         self.held: dict[str, int] = {}  # slots held per client, for those holding one
         self._arrivals = itertools.count()
         self.mean_duration: float | None = None  # seconds a request takes here, a running mean (None: none yet)
@@ -332,6 +333,13 @@ class Pool:
     def _hold(self, client: str) -> None:
         self.held[client] = self.held.get(client, 0) + 1
 
+    def priority(self, job: JobClass, client: str, *, last: bool) -> int:
+        """The `priority` for a request its client was just given a slot for (lower goes first):
+        interactive 0-99, batch 100-199, `last` (a Batch API line, batch work borrowing this pool)
+        200-299; within each, the client's other slots here."""
+        base = 200 if last else 0 if job == "interactive" else 100
+        return base + min(99, max(0, self.held.get(client, 1) - 1))
+
     def shares(self, top: int) -> tuple[list[tuple[str, int]], int]:
         """The `top` clients by slots held here, most first, and the slots all others hold:
         who has the pool under contention, in a bounded number of rows."""
@@ -406,8 +414,10 @@ class Pools:
                     queue_timeout=config.queue_timeout,
                 )
                 pools[name].fair_share = fair_share
+                pools[name].priority_scheduling = config.priority_scheduling
             else:
                 old.fair_share = fair_share
+                old.priority_scheduling = config.priority_scheduling
                 old.speculative, old.backends = config.speculative, backends
                 old.queue_size, old.queue_timeout = config.queue_size, config.queue_timeout
                 pools[name] = old

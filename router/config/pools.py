@@ -61,6 +61,14 @@ class Pool(Section):
         gt=0,
         description="Seconds a request may wait in that queue; then 503 `queue_timeout` with `Retry-After`.",
     )
+    priority_scheduling: bool = Field(
+        default=False,
+        description="The pool's engines schedule by priority (vLLM's `--scheduling-policy priority`): the router "
+        "sets each request's `priority` (lower goes first), interactive work before batch work, Batch API lines "
+        "and batch work borrowing the pool last, and within a class the client holding fewer of the pool's slots "
+        "first. A client's own `priority` is replaced. Leave it off for engines that do not: vLLM refuses a "
+        "priority other than 0 then.",
+    )
     prior_speed: dict[ContentKind, dict[int, float]] = Field(
         default={},
         description="Per-user tokens/s the pool's engines give by concurrency, per content kind, e.g. "

@@ -96,6 +96,11 @@ class TtftTarget:
         return min(self.high, max(self.low, millis / 1000))
 
 
+def with_field(body: bytes, key: str, value: Any) -> bytes:
+    """A JSON object body with one top-level field set (replacing the client's own)."""
+    return json.dumps({**json.loads(body), key: value}, separators=(",", ":")).encode()
+
+
 def content_kind(payload: Mapping[str, Any], code_hints: tuple[str, ...]) -> ContentKind:
     if payload.get("tools") or payload.get("functions"):
         return "code"  # tool calls are structured output, which a drafter guesses well

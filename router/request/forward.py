@@ -24,7 +24,7 @@ from router.backends.pools import Backend, Pool, Pools
 from router.clock import Clock
 from router.errors import NoBackendAvailable, RouterError, UpstreamError, UpstreamTimeout
 from router.replicas.shared import Replicas
-from router.request.decide import Routed
+from router.request.decide import Routed, with_field
 from router.request.headers import request_headers
 from router.request.incoming import Incoming
 from router.request.observe import Observer
@@ -239,6 +239,16 @@ class Forwarder:
         finally:
             self._retrying -= retry
 
+    def _prioritized(self, incoming: Incoming, routed: Routed, backend: Backend) -> bytes:
+        """The body, with the `priority` its pool's engines schedule by if they do (router.backends.pools)."""
+        pool = self._pools.get(backend.pool)
+        if pool is None or not pool.priority_scheduling or not incoming.payload:
+            return routed.body
+        decision = routed.decision
+        last = incoming.internal or decision.reason.startswith("borrow:")
+        priority = pool.priority(decision.job, incoming.client, last=last)
+        return with_field(routed.body, "priority", priority)
+
     async def _send(self, incoming: Incoming, routed: Routed, plan: Plan, backend: Backend) -> _Reply | _Failed:
         headers = request_headers(
             incoming.headers,
@@ -249,7 +259,8 @@ class Forwarder:
         )
         try:
             arrival = incoming.arrival
-            response = await self._request(backend, arrival.method, arrival.target, headers, routed.body, plan)
+            body = self._prioritized(incoming, routed, backend)
+            response = await self._request(backend, arrival.method, arrival.target, headers, body, plan)
         except TransportError as exc:
             return self._failed(backend, exc)
         status = response.status

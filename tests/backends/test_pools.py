@@ -276,3 +276,19 @@ async def test_a_flood_of_distinct_clients_leaves_no_state_behind() -> None:
     pool.release(held[1], client="flood-1")
     assert pool.held == {} and pool.queued() == 0
     assert (await pool.acquire("interactive", client="user")) is held[0]
+
+
+@pytest.mark.anyio
+async def test_the_engine_priority_orders_classes_then_a_clients_other_slots() -> None:
+    pool = _pool(slots=8)
+    await pool.acquire("interactive", client="a")
+    assert pool.priority("interactive", "a", last=False) == 0
+    await pool.acquire("interactive", client="a")
+    assert pool.priority("interactive", "a", last=False) == 1  # its second: after others' first
+    await pool.acquire("batch", client="b")
+    assert pool.priority("batch", "b", last=False) == 100
+    await pool.acquire("batch", client="c")
+    assert pool.priority("batch", "c", last=True) == 200
+    for _ in range(150):
+        pool.held["a"] = pool.held.get("a", 0) + 1
+    assert pool.priority("interactive", "a", last=False) == 99  # never into the next class

@@ -182,7 +182,10 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, 
     except NotInstalled as exc:
         pytest.fail(f"the real-engine suite cannot run: {exc}", pytrace=False)
     logs = tmp_path_factory.mktemp("real-engines")
-    fast, team = Engine("spec", core=0, log_dir=logs), Engine("standard", core=1, log_dir=logs)
+    # The standard engine schedules by priority (test_real_priority.py); a request without one
+    # is 0, so for every other test it serves in arrival order as by default.
+    fast = Engine("spec", core=0, log_dir=logs)
+    team = Engine("standard", core=1, log_dir=logs, scheduling="priority")
     with ExitStack() as stack:
         for engine in (fast, team):
             engine.start()
@@ -199,13 +202,19 @@ def routers(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextmanager
-def router_in_front(fast: Engine, team: Engine, directory: Path) -> Iterator[RealCluster]:
+def router_in_front(
+    fast: Engine, team: Engine, directory: Path, changes: dict[str, Any] | None = None
+) -> Iterator[RealCluster]:
     """A router of its own, started now in its own process (`specroute serve`), in front of the
-    engines; its configuration and log in a new folder under `directory`."""
+    engines; its configuration (`router_settings`, with `changes` to its sections) and log in a
+    new folder under `directory`."""
     home = directory / f"router-{len(list(directory.iterdir()))}"
     home.mkdir()
     config = home / "router.yaml"
-    config.write_text(yaml.safe_dump(router_settings(fast.url, team.url)))
+    settings = router_settings(fast.url, team.url)
+    for section, values in (changes or {}).items():
+        settings[section] = values
+    config.write_text(yaml.safe_dump(settings))
     with serve(config, env={ADMIN_ENV: ADMIN_KEY}, own_session=True) as (_, url):
         cluster = RealCluster(fast, team, url, home / "router.log")
         try:

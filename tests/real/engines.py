@@ -57,9 +57,17 @@ def wait_for(
 
 
 class Engine:
-    def __init__(self, kind: Literal["spec", "standard"], *, core: int, log_dir: Path) -> None:
+    def __init__(
+        self,
+        kind: Literal["spec", "standard"],
+        *,
+        core: int,
+        log_dir: Path,
+        scheduling: Literal["fcfs", "priority"] = "fcfs",
+    ) -> None:
         self.kind = kind
         self.core = core
+        self.scheduling = scheduling  # vLLM's --scheduling-policy
         self.port = free_port()
         self.log_path = log_dir / f"vllm-{kind}.log"
         self._log: IO[bytes] | None = None
@@ -79,7 +87,10 @@ class Engine:
             # gets a fair share of the CPU, whatever else runs: the router's turn comes within
             # milliseconds, and two other busy processes on the machine cannot starve an engine.
             # Where it does not, the engines' lower priority gives the router its turn.
-            ["nice", "-n", str(ENGINE_NICENESS), SCRIPT, "engine", self.kind, str(self.port), str(self.core)],
+            [
+                *("nice", "-n", str(ENGINE_NICENESS), SCRIPT, "engine", self.kind),
+                *(str(self.port), str(self.core), self.scheduling),
+            ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # and so its own process group: the API server and its engine core

@@ -224,3 +224,18 @@ def test_over_a_limit_is_429_with_openais_headers_and_the_sdk_retries(
             if sample.name == "specroute_requests_total" and sample.labels.get("code") == "rate_limit_exceeded"
         )
         assert refused_count == 2  # the one refused above, and the one the SDK retried
+
+
+def test_a_pool_that_schedules_by_priority_gets_each_requests_priority(make_cluster: Any) -> None:
+    pools = {"team": {"priority_scheduling": True}}
+    with make_cluster(pools=pools, classify={"burst_hold_seconds": 0}) as cluster:
+        url = cluster.base_url + "/chat/completions"
+        for headers in (
+            {"x-route-pool": "team"},  # interactive, pinned
+            {"x-job-type": "batch"},
+            {"x-route-pool": "fast"},  # a pool that does not: nothing added
+        ):
+            body = {**BODY, "priority": -1000}  # a client's own is not the engine's order
+            assert httpx.post(url, json=body, headers=headers).status_code == 200
+        assert [seen.body.get("priority") for seen in cluster.team.requests if seen.body] == [0, 100]
+        assert [seen.body.get("priority") for seen in cluster.fast.requests if seen.body] == [-1000]

@@ -1,0 +1,103 @@
+"""Priority inside a real engine: vLLM started with `--scheduling-policy priority` (the session's
+standard engine), behind a router whose pool says so (`priority_scheduling`).
+
+The engine's 4,096-token KV cache holds four of the batch job's 1,000-token prompts; the rest
+wait inside the engine, without a first token. An interactive request sent then (priority 0
+against the batch job's 100 and up) must get its first token before every batch request that
+was waiting ahead of it; in arrival order (`fcfs`) it would get it after all of them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from tests.real.conftest import RealCluster, router_in_front, router_settings
+from tests.real.engines import MODEL, wait_for
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
+
+BATCH = 10  # batch requests: four run, six wait inside the engine
+PROMPT = "once upon a time " * 250  # about 1,000 tokens: 8 of the KV cache's 32 blocks
+
+
+def _stream(
+    client: OpenAI, *, job: str, content: str, max_tokens: int, on_first: Callable[[float], object] = lambda t: None
+) -> tuple[float, int]:
+    """One streamed chat request pinned to `team`: when its first token came (told to `on_first`
+    as it comes), and its prompt's tokens."""
+    first = 0.0
+    prompt_tokens = 0
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"X-Route-Pool": "team", "X-Job-Type": job},
+        extra_body={"ignore_eos": True},
+    )
+    for chunk in stream:
+        if not first and chunk.choices and chunk.choices[0].delta.content:
+            first = time.monotonic()
+            on_first(first)
+        if chunk.usage is not None:
+            prompt_tokens = chunk.usage.prompt_tokens
+    assert first, "no token came"
+    return first, prompt_tokens
+
+
+def test_an_interactive_first_token_comes_before_the_batch_work_queued_ahead(
+    cluster: RealCluster, routers: Path
+) -> None:
+    assert cluster.team.scheduling == "priority"
+    pools = router_settings(cluster.fast.url, cluster.team.url)["pools"]
+    pools["team"]["priority_scheduling"] = True
+    with router_in_front(cluster.fast, cluster.team, routers, {"pools": pools}) as router:
+        batch_clients = [
+            OpenAI(base_url=router.base_url, api_key="sk-batch-job", max_retries=0, timeout=300) for _ in range(BATCH)
+        ]
+        chat = OpenAI(base_url=router.base_url, api_key="sk-chat-user", max_retries=0, timeout=300)
+        started = threading.Barrier(BATCH + 1)
+        firsts: dict[int, float] = {}
+
+        def batch(i: int) -> int:
+            started.wait(timeout=60)
+            content = f"{i}: {PROMPT}"
+            _, prompt_tokens = _stream(
+                batch_clients[i], job="batch", content=content, max_tokens=150, on_first=partial(firsts.__setitem__, i)
+            )
+            return prompt_tokens
+
+        try:
+            with ThreadPoolExecutor(max_workers=BATCH) as threads:
+                futures = [threads.submit(batch, i) for i in range(BATCH)]
+                started.wait(timeout=60)
+                # The engine full: batch requests wait inside it, with no first token yet.
+                wait_for(
+                    lambda: cluster.team.metric("vllm:num_requests_waiting") >= 2,
+                    timeout=120,
+                    what="batch requests waiting inside the engine",
+                )
+                sent = time.monotonic()
+                waiting = {i for i in range(BATCH) if i not in firsts}
+                interactive, _ = _stream(chat, job="interactive", content="Hi!", max_tokens=4)
+                prompts = [future.result(timeout=400) for future in futures]
+        finally:
+            chat.close()
+            for client in batch_clients:
+                client.close()
+    assert min(prompts) >= 600, prompts  # the premise: each batch prompt takes several KV blocks
+    assert len(waiting) >= 2, f"batch requests without a first token when the interactive one was sent: {waiting}"
+    queued_firsts = sorted(firsts[i] - sent for i in waiting)
+    assert interactive < min(firsts[i] for i in waiting), (
+        f"interactive first token at {interactive - sent:.2f} s; the batch requests waiting ahead of it "
+        f"got theirs at {[round(t, 2) for t in queued_firsts]} s"
+    )
