@@ -158,6 +158,10 @@ def _bench_parser(commands: Any) -> None:
         parser.add_argument(
             "--together", action="store_true", help="interactive users arrive at the same moment (default: apart)"
         )
+        parser.add_argument(
+            "--named-by", choices=["user", "api_key", "nothing"], default="user",
+            help="how each interactive user says who it is: the body's `user`, its own API key, or neither",
+        )  # fmt: skip
 
     def users(value: str) -> list[int]:
         return [int(v) for v in value.split(",") if v]
@@ -198,6 +202,15 @@ def _bench_parser(commands: Any) -> None:
     user_options(batchjob, duration="seconds (real time) of each phase")
     batchjob.add_argument("--lines", type=int, default=10_000, help="requests in the batch")
     batchjob.add_argument("--batch-max-tokens", type=int, default=64, help="answer length of each batch line")
+
+    fair = scenarios.add_parser(
+        "fairness", help="chat users beside an agent with many requests in flight, with and without fair share"
+    )
+    common(fair, target=False)
+    user_options(fair, duration="seconds (real time) of each run")
+    fair.set_defaults(interactive=5, duration=120, think=3, max_tokens=256, time_scale=2.0)
+    fair.add_argument("--agent", type=int, default=10, help="requests the agent keeps in flight")
+    fair.add_argument("--slots", type=int, default=8, help="the router's slots on the speculative engine")
 
     spill = scenarios.add_parser(
         "spill", help="interactive users from few to many on top of a batch job: where does routing put them?"

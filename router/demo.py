@@ -78,6 +78,7 @@ def cluster_settings(
     time_scale: float = 1.0,
     priors: dict[str, dict[ContentKind, dict[int, float]]] | None = None,
     ttft_target: float = 3.0,
+    max_concurrency: int = 256,
 ) -> Settings:
     """Router settings for pools given as name -> (speculative, engine URLs), with each pool's
     prior speeds (`priors`, by pool name) if given.
@@ -103,7 +104,9 @@ def cluster_settings(
             name: {
                 "speculative": speculative,
                 # Let the engines queue, as they did in the note; the router only forwards.
-                "backends": {f"{name}-{i + 1}": {"url": url, "max_concurrency": 256} for i, url in enumerate(urls)},
+                "backends": {
+                    f"{name}-{i + 1}": {"url": url, "max_concurrency": max_concurrency} for i, url in enumerate(urls)
+                },
                 "prior_speed": (priors or {}).get(name, {}),
             }
             for name, (speculative, urls) in pools.items()
@@ -135,9 +138,11 @@ async def serve_cluster(
     ttft_target: float = 3.0,
     on_ready: Callable[[str, str], Any] = lambda base_url, banner: print(banner, flush=True),
     prompt_tokens_details: bool = False,
+    max_concurrency: int = 256,
 ) -> None:
     """Serve until stopped; `on_ready(base_url, banner)` once every server listens.
     `prompt_tokens_details`: the engines' usage says the prompt tokens they found cached.
+    `max_concurrency`: the router's slots on each engine (256: the engines queue, not the router).
 
     The router listens on `host` and `port` if given, else where `listen.*` says: its default
     (127.0.0.1:8000) or the environment's `SPECROUTE_LISTEN__HOST` (0.0.0.0 in a container)."""
@@ -165,6 +170,7 @@ async def serve_cluster(
         time_scale=time_scale,
         priors=priors,
         ttft_target=ttft_target,
+        max_concurrency=max_concurrency,
     )
     host = host if host is not None else settings.listen.host
     router_sock = _bind(host, settings.listen.port if port is None else port)

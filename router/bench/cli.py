@@ -22,7 +22,7 @@ from router.bench.load import Target
 from router.bench.plan import Figures, Outcome, Split, recorded_at
 from router.bench.plan import table as plan_table
 from router.bench.replay import replay
-from router.bench.scenarios import MixedResult, Summary, SweepRound, Users, mixed, sweep
+from router.bench.scenarios import FairnessResult, MixedResult, Summary, SweepRound, Users, fairness, mixed, sweep
 from router.demo import LAYOUTS, LayoutName
 from router.record import read_record
 from router.sim.profile import load_profile
@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         return _batchjob(args, out)
     if args.scenario == "replay":
         return _replay(args, out)
+    if args.scenario == "fairness":
+        return _fairness(args, out)
     return _compare(args, out)
 
 
@@ -111,6 +113,7 @@ def _mixed_scenario(
             batch_in_flight=batch,
             batch_header=args.batch_header,
             together=args.together,
+            named_by=args.named_by,
             progress=progress,
         )
 
@@ -303,3 +306,78 @@ def _spill(args: argparse.Namespace, out: Path) -> int:
         points, out / "spill.png", f"interactive users beside a {args.batch}-request batch job, {args.kind}"
     )
     return _finish(out, report.spill_table(points, modes, args))
+
+
+def _fairness(args: argparse.Namespace, out: Path) -> int:
+    """The chat users alone, then beside the agent with fair share and without (first come,
+    first served), each on a fresh speculative engine whose router has `--slots` slots on it."""
+    model = load_profile("fast").model
+    runs: list[tuple[str, int, dict[str, str]]] = [
+        ("chat alone", 0, {}),
+        ("with the agent, fair share", args.agent, {"SPECROUTE_FAIRNESS__FAIR_SHARE": "true"}),
+        ("with the agent, first come first served", args.agent, {"SPECROUTE_FAIRNESS__FAIR_SHARE": "false"}),
+    ]
+    results: dict[str, FairnessResult] = {}
+    for label, agent, env in runs:
+        console.print(f"[bold]{label}[/]")
+        users = _users(args, count=args.interactive)
+
+        def scenario(target: Target, users: Users = users, agent: int = agent) -> Any:
+            return fairness(target, users, agent_in_flight=agent)
+
+        results[label] = run_on_layout(
+            "fast-alone", scenario, model=model, time_scale=args.time_scale, environ=env, slots=args.slots
+        )
+    alone = results["chat alone"].chat_ttft_p95
+    clients = args.interactive + 1
+    rows = [
+        "| run | chat first token p50 | chat p95 | chat p95 ÷ alone | chat tokens/s per user | agent requests "
+        "| agent share of tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, result in results.items():
+        p95 = result.chat_ttft_p95
+        shown = f"{p95 / alone:.2f}×" if p95 is not None and alone else "-"
+        rows.append(
+            f"| {label} | {_seconds(result.chat.ttft_p50)} | {_seconds(p95)} | {shown} "
+            f"| {_rate(result.chat.per_user_tps)} | {result.agent.requests} | {result.agent_token_share:.0%} |"
+        )
+    fair = results["with the agent, fair share"]
+    ratio = (fair.chat_ttft_p95 or 0) / alone if alone else float("inf")
+    verdicts = [
+        f"- chat first-token p95 with the agent and fair share within 1.5× of alone: {ratio:.2f}× "
+        f"({'met' if ratio <= 1.5 else 'NOT met'})",
+        f"- the agent's share of tokens at least its fair share (1/{clients} = {1 / clients:.0%}): "
+        f"{fair.agent_token_share:.0%} ({'met' if fair.agent_token_share >= 1 / clients else 'NOT met'})",
+    ]
+    data = {
+        **_meta(args, Target("(simulated fast engine)", model, time_scale=args.time_scale)),
+        "agent_in_flight": args.agent,
+        "slots": args.slots,
+        "runs": {
+            label: {
+                "chat": r.chat.as_dict(),
+                "agent": r.agent.as_dict(),
+                "chat_ttft_p95": r.chat_ttft_p95,
+                "agent_token_share": r.agent_token_share,
+            }
+            for label, r in results.items()
+        },
+    }
+    report.write_json(out / "fairness.json", data)
+    return _finish(
+        out,
+        f"## fairness: {args.interactive} chat users beside an agent with {args.agent} requests in flight, "
+        f"{args.slots} slots on the speculative engine, {args.max_tokens}-token answers, {args.duration:g} s\n\n"
+        + "\n".join(rows)
+        + "\n\n"
+        + "\n".join(verdicts),
+    )
+
+
+def _seconds(value: float | None) -> str:
+    return f"{value:.2f} s" if value is not None else "-"
+
+
+def _rate(value: float | None) -> str:
+    return f"{value:.1f}" if value is not None else "-"

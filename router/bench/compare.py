@@ -26,6 +26,7 @@ def _serve_pools(
     environ: dict[str, str],
     details: bool,
     ttft_target: float,
+    slots: int,
     ready: Any,
 ) -> None:
     if routing_mode is not None:
@@ -39,6 +40,7 @@ def _serve_pools(
             ttft_target=ttft_target,
             on_ready=lambda url, banner: ready.put(url),
             prompt_tokens_details=details,
+            max_concurrency=slots,
         )
     )
 
@@ -51,6 +53,7 @@ def running_layout(
     routing_mode: str | None = None,
     environ: dict[str, str] | None = None,
     prompt_tokens_details: bool = False,
+    slots: int = 256,
 ) -> Iterator[str]:
     """A simulated layout and its router in a child process; yields the router's base URL.
     `environ`: settings for its router (`SPECROUTE_*`); `prompt_tokens_details`: the engines'
@@ -61,6 +64,7 @@ def running_layout(
         routing_mode=routing_mode,
         environ=environ,
         prompt_tokens_details=prompt_tokens_details,
+        slots=slots,
     ) as base_url:
         yield base_url
 
@@ -74,11 +78,13 @@ def running_pools(
     environ: dict[str, str] | None = None,
     prompt_tokens_details: bool = False,
     ttft_target: float = 3.0,
+    slots: int = 256,
 ) -> Iterator[str]:
-    """Simulated pools and their router in a child process; yields the router's base URL."""
+    """Simulated pools and their router in a child process; yields the router's base URL.
+    `slots`: the router's on each engine."""
     context = multiprocessing.get_context("spawn")
     ready = context.Queue()
-    args = (pools, time_scale, routing_mode, environ or {}, prompt_tokens_details, ttft_target, ready)
+    args = (pools, time_scale, routing_mode, environ or {}, prompt_tokens_details, ttft_target, slots, ready)
     process = context.Process(target=_serve_pools, args=args, daemon=True)
     process.start()
     try:
@@ -100,7 +106,11 @@ def run_on_layout(
     model: str,
     time_scale: float,
     routing_mode: str | None = None,
+    environ: dict[str, str] | None = None,
+    slots: int = 256,
 ) -> T:
     """Start the layout clean, run the scenario against its router, stop it."""
-    with running_layout(name, time_scale=time_scale, routing_mode=routing_mode) as base_url:
+    with running_layout(
+        name, time_scale=time_scale, routing_mode=routing_mode, environ=environ, slots=slots
+    ) as base_url:
         return asyncio.run(scenario(Target(base_url=base_url, model=model, time_scale=time_scale)))

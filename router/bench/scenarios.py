@@ -116,10 +116,11 @@ class Users:
     kind: ContentKind = "prose"
     max_tokens: int = 512
 
-    async def run(self, load: Load, *, named_by: Literal["user", "api_key"], together: bool = False) -> None:
+    async def run(self, load: Load, *, named_by: Literal["user", "api_key", "nothing"], together: bool = False) -> None:
         """Each user asks, thinks and asks again until `duration`. Users start a little apart, as
         people do, unless `together`. `named_by`: how user n tells itself apart, by the `user`
-        field or by its own API key, either being `bench-user-<n>`."""
+        field or by its own API key, either being `bench-user-<n>`; or `nothing`: every user sends
+        the target's key (a placeholder) and no `user`, as an application's users do."""
         scale = load.target.time_scale
 
         async def user(number: int) -> None:
@@ -154,12 +155,13 @@ async def mixed(
     batch_in_flight: int = 124,
     batch_header: bool = False,
     together: bool = False,
+    named_by: Literal["user", "api_key", "nothing"] = "user",
     progress: Progress | None = None,
 ) -> MixedResult:
     """Interactive users in a closed loop with think time, beside a batch job keeping N in flight.
 
-    Each interactive user sends its own `user`; the batch job has one API key for all its requests
-    and no `user`.
+    Each interactive user sends its own `user` (or its own API key, or nothing: `named_by`); the
+    batch job has one API key for all its requests and no `user`.
     By default nothing else tells the router which is which: it must find the batch job by its
     behaviour. `batch_header` adds `X-Job-Type: batch` to compare with a declared job.
     Users start a little apart, as people do; with `together`, all at the same moment (a class
@@ -188,7 +190,7 @@ async def mixed(
     ticker = asyncio.create_task(report_progress())
     try:
         await asyncio.gather(
-            users.run(load, named_by="user", together=together),
+            users.run(load, named_by=named_by, together=together),
             *(batch_worker() for _ in range(batch_in_flight)),
         )
     finally:
@@ -200,5 +202,51 @@ async def mixed(
     return MixedResult(
         interactive=Summary.of([r for r in records if r.label == "interactive"]),
         batch=Summary.of([r for r in records if r.label == "batch"]),
+        records=records,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FairnessResult:
+    """Chat users beside an agent (or alone): what each side got."""
+
+    chat: Summary
+    agent: Summary
+    chat_ttft_p95: float | None
+    agent_token_share: float  # of the tokens delivered to both
+    records: list[Record]
+
+
+async def fairness(target: Target, users: Users, *, agent_in_flight: int = 10) -> FairnessResult:
+    """Chat users (each its own API key, a closed loop with think time) beside a coding agent: one
+    API key keeping `agent_in_flight` requests in flight, declared interactive as an agent at a
+    developer's side is. Requests start until `users.duration` (real time) has passed."""
+    load = Load(target, max_connections=users.count + agent_in_flight + 8)
+    agent = Job(
+        kind=users.kind,
+        max_tokens=users.max_tokens,
+        api_key="bench-agent",
+        headers={"X-Job-Type": "interactive"},
+        label="agent",
+    )
+
+    async def agent_worker() -> None:
+        while load.now() < users.duration:
+            await load.request(agent)
+
+    try:
+        await asyncio.gather(users.run(load, named_by="api_key"), *(agent_worker() for _ in range(agent_in_flight)))
+    finally:
+        await load.aclose()
+    records = load.records
+    chat = [r for r in records if r.label == "interactive"]
+    agents = [r for r in records if r.label == "agent"]
+    chat_tokens = sum(r.tokens for r in chat if r.ok)
+    agent_tokens = sum(r.tokens for r in agents if r.ok)
+    return FairnessResult(
+        chat=Summary.of(chat),
+        agent=Summary.of(agents),
+        chat_ttft_p95=percentile([r.ttft for r in chat if r.ok and r.ttft is not None], 0.95),
+        agent_token_share=agent_tokens / (chat_tokens + agent_tokens) if chat_tokens + agent_tokens else 0.0,
         records=records,
     )
