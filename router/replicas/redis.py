@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
 import redis.asyncio as redis
+from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -233,16 +234,22 @@ class RedisStore:
 
     async def ended(self, clients: Mapping[str, int], backends: Mapping[str, int], unread: Mapping[str, int]) -> None:
         own = f"{self._prefix}:r:{self._replica}"
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for client, ended in clients.items():
-                pipe.hincrby(f"{own}:c", client, -ended)
-            for name, ended in backends.items():
-                pipe.hincrby(f"{own}:b", name, -ended)
-            for name, count in unread.items():
-                pipe.hset(f"{own}:u", name, count)
-            for suffix in (":c", ":b", ":u"):
-                pipe.pexpire(own + suffix, self._ttl_ms)
-            await self._run(pipe.execute())
+        pipe = self._redis.pipeline(transaction=False)
+        for client, ended in clients.items():
+            pipe.hincrby(f"{own}:c", client, -ended)
+        for name, ended in backends.items():
+            pipe.hincrby(f"{own}:b", name, -ended)
+        for name, count in unread.items():
+            pipe.hset(f"{own}:u", name, count)
+        for suffix in (":c", ":b", ":u"):
+            pipe.pexpire(own + suffix, self._ttl_ms)
+        await self._run(self._send(pipe))
+
+    async def _send(self, pipe: Pipeline) -> None:
+        """A pipeline sent, and its connection given back: leaving the pipeline raises too when
+        the connection broke, so both happen within `_run`."""
+        async with pipe:
+            await pipe.execute()
 
     async def sync(self, clients: Mapping[str, int], backends: Mapping[str, Elsewhere]) -> View:
         if self._broken:

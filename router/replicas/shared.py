@@ -68,9 +68,13 @@ class Replicas:
         self._ended_backends: Counter[str] = Counter()
         self._changed = asyncio.Event()
         # Clear while a sync is under way: a count sent meanwhile could land before the sync's
-        # whole figures, which were taken without it, and be overwritten.
+        # whole figures, which were taken without it, and be overwritten. And the sync waits for
+        # the calls under way (`_calls`): a slot being claimed is not yet one this replica holds.
         self._between_syncs = asyncio.Event()
         self._between_syncs.set()
+        self._calls = 0
+        self._no_calls = asyncio.Event()
+        self._no_calls.set()
 
     def configure(self, config: State, *, stale_after: float, memory: float) -> None:
         """`state` (read at start: the store is opened once), the scrape's `stale_after` and
@@ -143,8 +147,15 @@ class Replicas:
         )
         if claim is None:
             return True
-        backend.elsewhere = claim.elsewhere
-        return claim.granted
+        if claim.granted:
+            backend.elsewhere = claim.elsewhere
+            return True
+        # Refused: no room here until the next view of the others (a sync, a request's arrival),
+        # however few the others hold: this replica's own count there may not have caught up
+        # with what ended here yet, and a request asking again at once would only be refused again.
+        full = backend.max_concurrency - (backend.in_flight - 1)
+        backend.elsewhere = Elsewhere(max(claim.elsewhere.in_flight, full), claim.elsewhere.unread)
+        return False
 
     def released(self, backend: Backend) -> None:
         """A slot on `backend` that `claim` granted ended."""
@@ -157,7 +168,14 @@ class Replicas:
         try:
             async with asyncio.timeout(self._config.timeout):
                 await self._between_syncs.wait()
-                result = await call()
+                self._calls += 1
+                self._no_calls.clear()
+                try:
+                    result = await call()
+                finally:
+                    self._calls -= 1
+                    if not self._calls:
+                        self._no_calls.set()
         except TimeoutError:
             self._alone(f"no answer within {self._config.timeout:g} s ({what})")
             return None
@@ -174,15 +192,22 @@ class Replicas:
         if self._store is None:
             return
         while True:
-            await self._sync()
-            due = self._clock.now() + self._config.sync_interval
-            while (left := due - self._clock.now()) > 0:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(left):
-                        await self._changed.wait()
-                self._changed.clear()
-                if self.sharing and (self._ended_clients or self._ended_backends):
-                    await self._ended()
+            try:
+                await self._sync()
+                due = self._clock.now() + self._config.sync_interval
+                while (left := due - self._clock.now()) > 0:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(left):
+                            await self._changed.wait()
+                    self._changed.clear()
+                    if self.sharing and (self._ended_clients or self._ended_backends):
+                        await self._ended()
+            except Exception as exc:
+                # A bug of ours or of a store: never the end of the syncs, which a queue waiting
+                # for another replica's slot depends on.
+                logger.exception("shared state: sync failed")
+                self._alone(f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(self._config.sync_interval)
 
     async def _ended(self) -> None:
         assert self._store is not None
@@ -198,12 +223,15 @@ class Replicas:
 
     async def _sync(self) -> None:
         assert self._store is not None
-        now = self._clock.now()
-        clients = {client_key(c): n for c, n in self._clients.counts().items()}
-        backends = {b.name: self._own(b, now) for b in self._pools.backends() if b.in_flight}
-        self._ended_clients, self._ended_backends = Counter(), Counter()  # in the counts above
         self._between_syncs.clear()
         try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._config.timeout):  # each call is bounded by it
+                    await self._no_calls.wait()
+            now = self._clock.now()
+            clients = {client_key(c): n for c, n in self._clients.counts().items()}
+            backends = {b.name: self._own(b, now) for b in self._pools.backends() if b.in_flight}
+            self._ended_clients, self._ended_backends = Counter(), Counter()  # in the counts above
             async with asyncio.timeout(self._config.sync_interval):
                 view = await self._store.sync(clients, backends)
         except (TimeoutError, StoreError) as exc:

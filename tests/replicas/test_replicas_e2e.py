@@ -129,17 +129,19 @@ def run(base: str, *, during: Callable[[int], None] = lambda wave: None) -> tupl
             interactive.append(ask("alice"))
 
     batch: list[str] = []
-    with ThreadPoolExecutor(JOB + 1) as pool:
-        beside = pool.submit(user)
-        try:
-            for wave in range(WAVES):
-                during(wave)
-                batch += pool.map(ask, ["etl"] * JOB)
-        finally:
-            done.set()
-            beside.result()
-    for each in clients:
-        each.close()
+    try:
+        with ThreadPoolExecutor(JOB + 1) as pool:
+            beside = pool.submit(user)
+            try:
+                for wave in range(WAVES):
+                    during(wave)
+                    batch += pool.map(ask, ["etl"] * JOB)
+            finally:
+                done.set()
+                beside.result()
+    finally:
+        for each in clients:
+            each.close()
     return batch, interactive
 
 
