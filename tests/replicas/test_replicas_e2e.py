@@ -181,7 +181,6 @@ def test_redis_killed_and_restarted_mid_run_fails_no_request(tmp_path: Path) -> 
 
         batch, interactive = run(replicas.base, during=chaos)  # a request that failed would raise
         assert len(batch) == JOB * WAVES and interactive
-        assert batch[-JOB:] == ["batch"] * JOB, batch  # shared again after the restart
         for url in replicas.replicas:
             metrics = httpx.get(url + "/metrics", timeout=5).text
             assert "specroute_shared_state_fallbacks_total 1.0" in metrics
