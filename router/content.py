@@ -77,9 +77,26 @@ _ANSWER_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 
 def prompt_tokens(payload: Mapping[str, Any]) -> int:
-    """The prompt's tokens, estimated from its length (what a rate limit takes on arrival)."""
+    """The prompt's tokens, estimated from its length (what a rate limit takes on arrival); a
+    prompt or input given as token ids, one a token, and an input given as a list of texts too."""
     parts = _prompt_parts(payload)
-    return -(-(sum(map(len, parts)) + max(0, len(parts) - 1)) // _CHARS_PER_TOKEN)
+    text = -(-(sum(map(len, parts)) + max(0, len(parts) - 1)) // _CHARS_PER_TOKEN)
+    return text + _listed(payload.get("prompt"), texts=False) + _listed(payload.get("input"), texts=True)
+
+
+def _listed(value: object, *, texts: bool) -> int:
+    """Tokens of a list `_prompt_parts` does not read: token ids, lists of them, and (`texts`) strings."""
+    if not isinstance(value, list):
+        return 0
+    tokens = 0
+    for item in value:
+        if isinstance(item, int):
+            tokens += 1
+        elif isinstance(item, list):
+            tokens += len(item)
+        elif texts and isinstance(item, str):
+            tokens += -(-len(item) // _CHARS_PER_TOKEN)
+    return tokens
 
 
 def request_tokens(payload: Mapping[str, Any]) -> int | None:
