@@ -21,12 +21,14 @@ REFRESH_SECONDS = 30.0
 
 
 class ModelCatalog:
+    MAX_KNOWN = 1_000  # model names remembered; past them a new name's label is "other"
+
     def __init__(self, pools: Pools, transport: Transport, *, clock: Clock) -> None:
         self._pools = pools
         self._transport = transport
         self._clock = clock
         self._lock = asyncio.Lock()
-        self.known: frozenset[str] = frozenset()  # every model id seen since start (never shrinks)
+        self.known: frozenset[str] = frozenset()  # model ids seen since start (never shrinks; capped)
         self.configure(ttl=0.0, timeout=1.0)
 
     def configure(self, *, ttl: float, timeout: float) -> None:
@@ -54,7 +56,7 @@ class ModelCatalog:
 
     async def learn_names(self) -> None:
         """Ask the backends for their models, for the names only (clients' list keeps its cache)."""
-        self.known |= {model["id"] for model in await self._fetch()}
+        self._learn({model["id"] for model in await self._fetch()})
 
     async def _fetch(self) -> list[dict[str, Any]]:
         answers = await asyncio.gather(*(self._list(b) for b in self._pools.backends()))
@@ -62,8 +64,15 @@ class ModelCatalog:
         for models in answers:
             for model in models:
                 seen.setdefault(model["id"], model)
-        self.known |= set(seen)
+        self._learn(set(seen))
         return list(seen.values())
+
+    def _learn(self, names: set[str]) -> None:
+        """Remember new model names, at most MAX_KNOWN in all: an engine answering new names each
+        time would otherwise grow the set, and the metrics' `model` label, without end."""
+        room = self.MAX_KNOWN - len(self.known)
+        if room > 0:
+            self.known |= set(sorted(names - self.known)[:room])
 
     async def _list(self, backend: Backend) -> list[dict[str, Any]]:
         try:
