@@ -112,6 +112,10 @@ def _plan_parser(commands: Any) -> None:
     plan.add_argument("--team", default="team", help="profile of the standard engine")
     plan.add_argument("--time-scale", type=float, default=5.0, help="run the simulated clusters N times faster")
     plan.add_argument("--ttft-target", type=float, default=3.0, help="interactive first-token target, seconds")
+    plan.add_argument(
+        "--batch-share", type=float, default=0.8,
+        help="the share of the best batch throughput a split may give up for faster interactive users",
+    )  # fmt: skip
     plan.add_argument("--batch-scale", type=float, default=1.0, help="multiply the batch traffic (2: doubled)")
     plan.add_argument("--interactive-scale", type=float, default=1.0, help="multiply the interactive traffic")
     plan.add_argument("--out", help="directory for plan.md, plan.json and plan.png")

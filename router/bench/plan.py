@@ -27,8 +27,8 @@ from router.sim.profile import Profile
 
 # The share of interactive first tokens within the target that a split must reach to be chosen.
 WITHIN_TARGET = 0.95
-# Splits whose batch throughput is within this share of the best count as equal on it.
-BATCH_EQUAL = 0.95
+# The share of the best batch throughput a split may give up for faster interactive users.
+BATCH_SHARE = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,11 +128,13 @@ def run_split(
     return Outcome(split, by_job.get("interactive"), by_job.get("batch"))
 
 
-def recommend(outcomes: Sequence[Outcome], *, ttft_target: float) -> tuple[Outcome, str]:
+def recommend(
+    outcomes: Sequence[Outcome], *, ttft_target: float, batch_share: float = BATCH_SHARE
+) -> tuple[Outcome, str]:
     """The split to run, and why. Among the splits where at least 95 % of interactive first tokens
-    come within the target, those whose batch throughput is within 5 % of the best of them; of
-    those, the one whose interactive users stream fastest. If no split meets the target: the one
-    closest to it."""
+    come within the target, those whose batch throughput is at least `batch_share` of the best of
+    them; of those, the one whose interactive users stream fastest. If no split meets the target:
+    the one closest to it."""
 
     def within(o: Outcome) -> float:
         return o.interactive.within_target if o.interactive else 1.0
@@ -151,7 +153,7 @@ def recommend(outcomes: Sequence[Outcome], *, ttft_target: float) -> tuple[Outco
             f"{best.split.label} comes closest ({within(best):.0%})"
         )
     most = max(batch(o) for o in meeting)
-    equal = [o for o in meeting if batch(o) >= BATCH_EQUAL * most]
+    equal = [o for o in meeting if batch(o) >= batch_share * most]
     best = max(equal, key=lambda o: (speed(o), batch(o)))
     reason = [f"{within(best):.0%} of interactive first tokens within {ttft_target:g} s"]
     if best.interactive and best.interactive.per_user_tps:
@@ -288,7 +290,7 @@ def main(args: Any) -> int:
             run_split(split, entries, fast=fast, team=team, time_scale=args.time_scale, ttft_target=args.ttft_target)
         )
         print(f"  {split.label}: replayed in {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    best, reason = recommend(outcomes, ttft_target=args.ttft_target)
+    best, reason = recommend(outcomes, ttft_target=args.ttft_target, batch_share=args.batch_share)
     markdown = (
         f"## plan: {args.nodes} nodes, {fast.name} ({fast.nodes} nodes an engine) and {team.name} ({team.nodes})\n\n"
         f"{table(outcomes, ttft_target=args.ttft_target)}\n\n"

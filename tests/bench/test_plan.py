@@ -77,10 +77,10 @@ def _outcome(fast: int, team: int, interactive: Figures | None, batch: Figures |
 @pytest.mark.parametrize(
     ("outcomes", "chosen", "said"),
     [
-        # All meet the target and give the batch as much: the fastest interactive users decide.
-        ([(2, 0, _figures(speed=55), _figures(tps=500)), (1, 1, _figures(speed=57), _figures(tps=495)),
+        # All meet the target and give the batch at least 80 % of the best: the fastest users decide.
+        ([(2, 0, _figures(speed=55), _figures(tps=500)), (1, 1, _figures(speed=57), _figures(tps=420)),
           (0, 2, _figures(speed=30), _figures(tps=510))], (1, 1), "stream fastest"),
-        # The fastest users' split costs the batch job more than 5 %: not equal on batch.
+        # The fastest users' split costs the batch job more than 20 %: not chosen.
         ([(1, 1, _figures(speed=57), _figures(tps=400)), (0, 2, _figures(speed=30), _figures(tps=510))],
          (0, 2), "batch 510 tok/s"),
         # A split under 95 % within the target is out, whatever it gives the batch.
