@@ -174,6 +174,24 @@ def test_the_configured_session_header_names_the_conversation(tmp_path: Path) ->
     assert first is not None and first == again and other not in (None, first)
 
 
+@pytest.mark.e2e
+def test_one_session_id_from_two_clients_is_two_conversations(tmp_path: Path) -> None:
+    """A session id is the client's own ("1", "default"): two clients' are not one conversation."""
+    path = tmp_path / "traffic.jsonl"
+    with running_cluster(traffic={"path": str(path), "flush_seconds": 0.05}) as cluster:
+        for key in ("sk-alice-1", "sk-bob-2", "sk-alice-1"):
+            client = openai.OpenAI(base_url=cluster.base_url, api_key=key, max_retries=0)
+            client.chat.completions.create(
+                model="test-model",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=2,
+                extra_headers={"X-Session-ID": "1"},
+            )
+        wait_until(lambda: len(list(read_record(path))) == 3, message="three entries written")
+    alice, bob, alice_again = (entry.conversation for entry in read_record(path))
+    assert alice is not None and alice == alice_again and bob not in (None, alice)
+
+
 def test_export_without_a_record_says_so(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "router.cli", "trace", "export", str(tmp_path / "none.jsonl")],

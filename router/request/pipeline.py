@@ -316,11 +316,11 @@ class Pipeline:
 
 
 def _conversation(incoming: Incoming, session_header: str) -> str | None:
-    """Which conversation a request belongs to, where the client says: its session header, or
-    the stored response it continues."""
+    """Which conversation a request belongs to, where the client says: its session header (the
+    client's own, as router.routing.conversations scopes it), or the stored response it continues."""
     session = incoming.arrival.headers.get(session_header.lower())
     if session:
-        return f"session:{session[:256]}"
+        return f"session:{incoming.client} {session[:256]}"
     previous = incoming.field("previous_response_id", str)
     return f"response:{previous[:256]}" if previous else None
 
