@@ -85,9 +85,11 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         router.replicas.open()
+        await router.discovery.refresh()  # backends found by name, each probed once found
         await asyncio.gather(router.health.check_all(first=True), router.catalog.learn_names())
         tasks = [
             asyncio.create_task(router.replicas.run()),
+            asyncio.create_task(router.discovery.run()),
             asyncio.create_task(router.health.run()),
             asyncio.create_task(router.scraper.run()),
             asyncio.create_task(router.catalog.run()),  # the model names the metrics may use
@@ -103,6 +105,8 @@ def create_app(
             await asyncio.gather(*tasks, return_exceptions=True)  # ended before their client closes
             await router.transport.aclose()
             await router.replicas.aclose()
+            if router.tracer is not None:
+                await router.tracer.aclose()
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -46,6 +46,11 @@ TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.
 # A call to the store the replicas share: tens of microseconds on loopback, up to its timeout.
 SHARED_STATE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120)
+# Actual minus predicted first token: dense within a second either way, where interactive
+# targets are decided, then out to the minutes of a queue the prediction missed.
+PREDICTION_ERROR_BUCKETS = (
+    -60, -10, -3, -1, -0.5, -0.25, -0.1, -0.05, 0, 0.05, 0.1, 0.25, 0.5, 1, 3, 10, 60,
+)  # fmt: skip
 
 
 _M = TypeVar("_M", bound=MetricWrapperBase)
@@ -69,6 +74,12 @@ class Children(Generic[_M]):
         if child is None:
             child = self._children[values] = self._metric.labels(*values)
         return child
+
+    def forget(self, value: str) -> None:
+        """Drop every child with `value` among its label values (a backend removed for good)."""
+        for values in [values for values in self._children if value in values]:
+            del self._children[values]
+            self._metric.remove(*values)
 
 
 # What a request's `model` label is when it names none, or one nobody serves.
@@ -181,6 +192,36 @@ class Metrics:
             ["pool", "placed"],
             registry=registry,
         )
+        self.prediction_error = Histogram(
+            "specroute_ttft_prediction_error_seconds",
+            "Actual minus predicted first-token time of a streamed request, by the pool the prediction was made for "
+            "(positive: later than predicted). Read the buckets, not the rate of the sum: it goes down too.",
+            ["pool"],
+            buckets=PREDICTION_ERROR_BUCKETS,
+            registry=registry,
+        )
+        self.ttft_target = Counter(
+            "specroute_interactive_ttft_target",
+            "Streamed interactive requests by pool and whether their first token came within routing.ttft_target: "
+            "result within, late, or none (the request ended without one).",
+            ["pool", "result"],
+            registry=registry,
+        )
+        self.discovery_answers = Counter(
+            "specroute_discovery_answers",
+            "Resolutions of a backend's name (discover: dns or srv), by result: ok, failed (no answer, an error or "
+            "discovery.timeout), or empty (no usable address); after failed or empty its backends are kept.",
+            ["pool", "backend", "result"],
+            registry=registry,
+        )
+        self.discovery_refused = Counter(
+            "specroute_discovery_refused_addresses",
+            "Addresses a name resolved to that did not become backends, by why: malformed, unusable (unspecified, "
+            "multicast, link-local, reserved, port 0), network (outside discovery.networks), over_limit "
+            "(past discovery.max_addresses).",
+            ["pool", "backend", "why"],
+            registry=registry,
+        )
         self.reloads = Counter(
             "specroute_config_reloads",
             "Configuration reloads asked for (SIGHUP or /admin/reload), by result: applied or invalid.",
@@ -266,6 +307,10 @@ class _LiveState(Collector):
             "How long the oldest stream sent to the backend has waited for its first token (0: none waits).",
         )
         stale = gauge("specroute_engine_scrape_stale", "1 if the engine's metrics are too old to use.")
+        gone = gauge(
+            "specroute_backend_gone",
+            "1 while a backend found by name is drained because the name no longer resolves to it.",
+        )
         learned = gauge(
             "specroute_learned_crossover",
             "Concurrency from which this speculative backend is predicted slower than the standard pool.",
@@ -286,6 +331,8 @@ class _LiveState(Collector):
                 in_flight.add_metric(key, backend.in_flight)
                 healthy.add_metric(key, float(backend.healthy))
                 draining.add_metric(key, float(backend.draining))
+                if backend.found_by is not None:
+                    gone.add_metric(key, float(backend.gone))
                 oldest_waiting.add_metric(key, backend.first_tokens.oldest_wait(now))
                 measured = backend.engine.acceptance
                 if measured is not None:
@@ -322,6 +369,7 @@ class _LiveState(Collector):
             in_flight,
             healthy,
             draining,
+            gone,
             queued,
             running,
             waiting,

@@ -21,13 +21,14 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry
 from yarl import URL
 
+from router.backends.discovery import Discovery, Resolver, SystemResolver
 from router.backends.health import HealthChecker
 from router.backends.outlier import state_log
 from router.backends.pools import Backend, Pools
 from router.backends.scrape import EngineScraper
 from router.catalog import ModelCatalog
 from router.clock import Clock, MonotonicClock
-from router.config import Batch, ConfigError, Settings, masked
+from router.config import Batch, ConfigError, Settings, Tracing, masked, nameserver
 from router.errors import BadRequest, Conflict, NotFound
 from router.metrics import Metrics
 from router.replicas.shared import Replicas
@@ -42,6 +43,7 @@ from router.routing.clients import Clients
 from router.routing.conversations import ConversationIndex
 from router.routing.learn import SpeedModel
 from router.routing.limits import Limiter
+from router.tracing import Tracer
 from router.traffic import TrafficRecorder
 from router.transport import AiohttpTransport, tls_context
 from router.version import BuildInfo, build_info
@@ -64,6 +66,7 @@ NEEDS_RESTART = (
     "batch.postgres_dsn_env",
     "batch.enabled",
     "state.",
+    "tracing.",
 )
 
 
@@ -109,10 +112,12 @@ class Router:
         # What the replicas share (router.replicas): nothing until `apply` names a store.
         self.replicas = Replicas(pools=self.pools, clients=self.clients, metrics=self.metrics, clock=self.clock)
         self.traffic = TrafficRecorder(clock=self.clock)
-        observer = Observer(self.metrics, self.speeds, self.traffic)
+        self.observer = observer = Observer(self.metrics, self.speeds, self.traffic)
         self.owners = ResponseAffinity()  # which backend made each stored response (Responses API)
         self.locator = Locator(self.transport)  # and which holds one this router never saw made
         self.conversations = ConversationIndex()  # which backends hold which prompts' prefixes
+        # Tracing is set up once, at start: the exporter's thread and queue live as long as the router.
+        self.tracer = _tracer(settings.tracing, self.build.version)
         self.pipeline = Pipeline(
             pools=self.pools,
             clients=self.clients,
@@ -126,10 +131,12 @@ class Router:
             conversations=self.conversations,
             limiter=self.limiter,
             clock=self.clock,
+            tracer=self.tracer,
         )
         self.catalog = ModelCatalog(self.pools, self.transport, clock=self.clock)
         self.health = HealthChecker(self.pools, self.transport, clock=self.clock)
         self.scraper = EngineScraper(self.pools, self.transport, clock=self.clock)
+        self.discovery = Discovery(self.pools, self.health, self.speeds, self.metrics, forget=self._forget)
         self.batches = batches(self) if batches is not None else None
         self._settings: Settings | None = None
         self.apply(settings)
@@ -189,8 +196,10 @@ class Router:
         plan = compile_plan(settings)
         changed = _differences(masked(previous), masked(settings)) if previous is not None else []
         drained = [backend for backend in self.pools.backends() if backend.draining]
+        resolver = _resolver(settings)
         for name in self.pools.configure(settings.pools, settings.health, fair_share=settings.fairness.fair_share):
-            self.speeds.forget(name)
+            self._forget(name)
+        self.discovery.configure(settings.pools, settings.discovery, settings.health, resolver)
         # A drained backend configured anew (another URL or pool) is a new backend, not drained.
         now = {backend.name: backend for backend in self.pools.backends()}
         for old in drained:
@@ -203,14 +212,14 @@ class Router:
             settings.state, stale_after=settings.scrape.stale_after, memory=settings.classify.client_memory_seconds
         )
         # Timeouts and limits go with each request (the plan), so they reach pooled connections too.
-        self.transport.configure(connections_per_origin=_connections_per_origin(self.pools), tls=tls)
+        self.transport.configure(connections_per_origin=_connections_per_origin(settings, self.pools), tls=tls)
         self.metrics.configure(settings.scrape, top_clients=settings.fairness.top_clients)
         self.catalog.configure(ttl=settings.models_cache_seconds, timeout=settings.health.timeout)
         self.health.configure(settings.health)
         self.scraper.configure(settings.scrape)
         self.speeds.configure(
             settings.learn,
-            priors={name: pool.prior_speed for pool in settings.pools.values() for name in pool.backends},
+            priors={backend.name: settings.pools[backend.pool].prior_speed for backend in self.pools.backends()},
         )
         self.owners.configure(settings.responses)
         self.conversations.configure(settings.conversations)
@@ -226,6 +235,11 @@ class Router:
         self.pipeline.plan = plan  # last, whole: a request takes the old plan or the new one
         self._settings = settings
         return {"changed": changed, "needs_restart": [key for key in changed if key.startswith(NEEDS_RESTART)]}
+
+    def _forget(self, backend: str) -> None:
+        """What is kept of a backend beside it, once it is gone: its learned speeds and its series."""
+        self.speeds.forget(backend)
+        self.observer.forget(backend)
 
     def set_draining(
         self,
@@ -268,14 +282,36 @@ def _log_drain(backend: Backend, reason: str) -> None:
     state_log.info("backend %s (pool %s) %s: %s", backend.name, backend.pool, state, reason)
 
 
-def _connections_per_origin(pools: Pools) -> int:
+def _connections_per_origin(settings: Settings, pools: Pools) -> int:
     """As many connections to an engine as requests may be admitted to it (backends sharing an
-    origin add up)."""
+    origin add up; one found by name has an origin of its own)."""
     per_origin: dict[str, int] = {}
     for backend in pools.backends():
         origin = str(URL(backend.url).origin())
         per_origin[origin] = per_origin.get(origin, 0) + backend.max_concurrency
-    return max(per_origin.values(), default=1)
+    found = [b.max_concurrency for p in settings.pools.values() for b in p.backends.values() if b.discover != "none"]
+    return max([*per_origin.values(), *found], default=1)
+
+
+def _tracer(config: Tracing, version: str) -> Tracer | None:
+    """The OpenTelemetry tracer when tracing is on; its packages are loaded only then."""
+    if not config.enabled:
+        return None
+    from router.otel import OtelTracer
+
+    return OtelTracer(config, version=version)
+
+
+def _resolver(settings: Settings) -> Resolver:
+    """The system's resolver, or dnspython's where SRV records or chosen nameservers need it."""
+    config = settings.discovery
+    srv = any(b.discover == "srv" for pool in settings.pools.values() for b in pool.backends.values())
+    if not srv and not config.nameservers:
+        return SystemResolver()
+    from router.backends.nameservers import DnsResolver  # the settings checked it is installed
+
+    servers = [nameserver(server) for server in config.nameservers]
+    return DnsResolver(servers, timeout=config.timeout, limit=config.max_addresses)
 
 
 def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:

@@ -77,14 +77,16 @@ def serve(
 
 
 class ServerThread:
-    def __init__(self, app: Any, *, fast: bool = False) -> None:
+    def __init__(self, app: Any, *, fast: bool = False, host: str = "127.0.0.1", port: int = 0) -> None:
         # `fast`: `app` is a router (router.app.create_app), served from its settings exactly as
         # `specroute serve` serves it (uvloop, its connection limits); fakes use uvicorn's defaults.
+        # `host`: another loopback address (127.0.0.2, ...), for engines that share a port.
         self.app = app
+        self.host = host
         if fast:
-            config = uvicorn_config(app, app.state.router.settings, host="127.0.0.1", port=0, log_level="warning")
+            config = uvicorn_config(app, app.state.router.settings, host=host, port=port, log_level="warning")
         else:
-            config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False)
+            config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -95,7 +97,7 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def __enter__(self) -> ServerThread:
         _may_serve()

@@ -53,6 +53,10 @@ COMPOSERS = ("router.cli", "router.demo")  # they put router and tools together,
 # The PostgreSQL driver (the extra specroute[postgres]): the Batch API's PostgreSQL store alone
 # uses it, and it is loaded only when that store is configured.
 DRIVERS = ("psycopg", "psycopg_pool")
+# The extras' packages and the one module each that uses them, imported only when configured:
+# dnspython (specroute[dns]) by the resolver of SRV records and chosen nameservers, OpenTelemetry
+# (specroute[otel]) by the tracer.
+EXTRAS = {"dns": "router.backends.nameservers", "opentelemetry": "router.otel"}
 # The one cycle left, for type checking only: the Batch API's routes take the service that
 # mounts them. Within one subpackage; nothing outside it is caught in it.
 KNOWN_CYCLES = {("router.batch.api", "router.batch.service")}
@@ -212,6 +216,14 @@ def test_the_redis_store_is_imported_only_where_it_is_chosen() -> None:
     assert "router.replicas.redis" in set(_imports("router.replicas.shared"))
 
 
+@pytest.mark.parametrize("package", sorted(EXTRAS))
+def test_only_its_module_imports_an_extras_package(package: str) -> None:
+    importers = {m for m in MODULES if any(_under(name, (package,)) for name in _imports(m))}
+    assert importers == {EXTRAS[package]}
+    # ...and that module is imported only inside the function that chooses it (router.runtime).
+    assert {m for m in MODULES if EXTRAS[package] in set(_imports(m, top_level_only=True))} == set()
+
+
 def test_the_cli_imports_a_subcommand_only_when_it_runs() -> None:
     heavy = (*TOOLS, "router.app", "uvicorn")
     assert {name for name in _imports("router.cli", top_level_only=True) if _under(name, heavy)} == set()
@@ -236,7 +248,7 @@ def test_serving_and_checking_a_config_load_no_tool(tmp_path: Path) -> None:
         ("import router.app, router.server.server, router.cli", ()),
     ):
         loaded = _loaded_after(code)
-        assert {name for name in loaded if _under(name, (*TOOLS, *DRIVERS, *not_needed))} == set(), code
+        assert {name for name in loaded if _under(name, (*TOOLS, *DRIVERS, *EXTRAS, *not_needed))} == set(), code
 
 
 def test_bench_without_the_tools_says_how_to_install_them() -> None:

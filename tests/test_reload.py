@@ -357,6 +357,12 @@ RELOADABLE: dict[str, tuple[Any, Observe | WithEngine]] = {
     "traffic.max_bytes": (8192, lambda r: r.traffic.config.max_bytes),
     "traffic.buffer": (5, lambda r: r.traffic.config.buffer),
     "traffic.flush_seconds": (0.5, lambda r: r.traffic.config.flush_seconds),
+    "pools.*.backends.*.discover": ("dns", lambda r: r.discovery.names),
+    "discovery.interval": (1.0, lambda r: r.discovery.config.interval),
+    "discovery.timeout": (1.0, lambda r: r.discovery.config.timeout),
+    "discovery.max_addresses": (3, lambda r: r.discovery.config.max_addresses),
+    "discovery.networks": (["10.0.0.0/8"], lambda r: r.discovery.config.networks),
+    "discovery.nameservers": (["127.0.0.1:5353"], lambda r: type(r.discovery.resolver).__name__),
     "max_body_bytes": (10, lambda r: r.plan.max_body_bytes),
     "models_cache_seconds": (1.0, WithEngine(_model_lists_fetched)),
     "forward_client_authorization": (True, lambda r: r.plan.forward_authorization),
@@ -392,6 +398,10 @@ RESTART: dict[str, Any] = {
     "state.ttl": 20.0,
     "state.max_clients": 10,
     "state.max_connections": 4,
+    "tracing.enabled": True,
+    "tracing.endpoint": "http://127.0.0.1:4318/v1/traces",
+    "tracing.sample_ratio": 0.5,
+    "tracing.service_name": "router-a",
 }
 
 

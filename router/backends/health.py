@@ -36,7 +36,11 @@ class HealthChecker:
 
     async def check_all(self, *, first: bool = False) -> None:
         """Probe every backend; `first` (at start-up) takes each result at once."""
-        await asyncio.gather(*(self._check(backend, first) for backend in self._pools.backends()))
+        await self.probe(list(self._pools.backends()), first=first)
+
+    async def probe(self, backends: list[Backend], *, first: bool = False) -> None:
+        """Probe these backends (a backend just found, router.backends.discovery: `first`)."""
+        await asyncio.gather(*(self._check(backend, first) for backend in backends))
         for pool in self._pools:
             pool.wake()
 

@@ -19,10 +19,11 @@ state_log = logging.getLogger("specroute.backends")
 
 
 class Outlier:
-    def __init__(self, name: str, pool: str) -> None:
+    def __init__(self, name: str, pool: str, *, healthy: bool = True) -> None:
+        """`healthy=False`: out until its first health check passes (a backend found by name)."""
         self._names = (name, pool)
         self.config = Health()  # the `health` section, replaced on a reload (router.backends)
-        self.healthy = True
+        self.healthy = healthy
         self._probes_failed = self._probes_passed = 0  # in a row
         self._requests_failed = 0  # in a row
         self.ejections = 0  # in a row, without a success between

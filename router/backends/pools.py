@@ -60,18 +60,45 @@ class FirstTokens:
         return now - min(self._waiting.values()) if self._waiting else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class Address:
+    """An engine's IP address and port, as a name resolved (router.backends.discovery)."""
+
+    host: str
+    port: int
+
+    @property
+    def netloc(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
 class Backend:
-    def __init__(self, name: str, pool: str, config: BackendConfig) -> None:
+    def __init__(
+        self,
+        name: str,
+        pool: str,
+        config: BackendConfig,
+        *,
+        url: str | None = None,
+        found_by: str | None = None,
+        address: Address | None = None,
+    ) -> None:
+        """A backend found by name (router.backends.discovery) has its `url` at one `address`
+        the configured backend `found_by` resolved to; it takes no work until a health check passes."""
         self.name = name
         self.pool = pool
-        self.url = config.url
+        self.url = url or config.url
+        self.found_by = found_by
+        self.found_as = (config.url, config.discover) if found_by is not None else None
+        self.address = address
         self.api_key = config.api_key()
         self.max_concurrency = config.max_concurrency
         self.in_flight = 0
         self.elsewhere: Elsewhere = ALONE  # its figures on the other replicas (router.replicas)
         self.sent = 0  # requests it was ever given a slot for
         self.draining = False  # set by an operator: no new work, running requests finish
-        self.outlier = Outlier(name, pool)
+        self.gone = False  # found by name, and the name no longer resolves to it: drained until removed
+        self.outlier = Outlier(name, pool, healthy=found_by is None)
         self.engine = EngineView()
         self.first_tokens = FirstTokens()
 
@@ -87,7 +114,7 @@ class Backend:
     @property
     def accepting(self) -> bool:
         """Whether new work may go here: healthy and not being drained."""
-        return self.outlier.healthy and not self.draining
+        return self.outlier.healthy and not self.draining and not self.gone
 
     @property
     def slots_used(self) -> int:
@@ -398,6 +425,16 @@ class Pools:
             kept = {b.name: b for b in old.backends} if old is not None else {}
             backends = []
             for backend_name, backend_config in config.backends.items():
+                if backend_config.discover != "none":
+                    # The backends it was found to be (router.backends.discovery), while it names the same.
+                    found = [b for b in old.backends if b.found_by == backend_name] if old is not None else []
+                    if found and found[0].found_as != (backend_config.url, backend_config.discover):
+                        found = []
+                    for each in found:
+                        each.configure(backend_config)
+                        each.outlier.config = health
+                    backends += found
+                    continue
                 backend = kept.get(backend_name)
                 if backend is not None and backend.url == backend_config.url:
                     backend.configure(backend_config)

@@ -10,9 +10,9 @@ from router.config.base import JobClass
 from router.config.batch import Batch, Responses
 from router.config.connections import Health, Limits, Retries, Timeouts, Tls
 from router.config.fairness import Fairness, KeyGroup, Quota
-from router.config.pools import Backend, Pool
+from router.config.pools import Backend, Discovery, Pool, nameserver
 from router.config.routing import PLACEHOLDER_KEYS, Classify, Conversations, Learn, Match, Routing, Rule, Scrape
-from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown, Traffic
+from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown, Tracing, Traffic
 from router.config.settings import CONFIG_ENV, ConfigError, Settings, describe_errors, load_settings, masked
 from router.config.state import State
 
@@ -25,6 +25,7 @@ __all__ = [
     "Classify",
     "ConfigError",
     "Conversations",
+    "Discovery",
     "Fairness",
     "Headers",
     "Health",
@@ -48,8 +49,10 @@ __all__ = [
     "State",
     "Timeouts",
     "Tls",
+    "Tracing",
     "Traffic",
     "describe_errors",
     "load_settings",
     "masked",
+    "nameserver",
 ]

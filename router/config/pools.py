@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from router.config.base import Section
 from router.content import ContentKind
@@ -26,6 +28,15 @@ class Backend(Section):
     max_concurrency: int = Field(
         default=64, ge=1, description="Requests the router sends this backend at once; more wait in the pool's queue."
     )
+    discover: Literal["none", "dns", "srv"] = Field(
+        default="none",
+        description="Find this backend's engines by name (docs/discovery.md). `dns`: every address the URL's host "
+        "resolves to (A and AAAA records; a Kubernetes headless Service) is a backend of the pool, on the URL's "
+        "port, named `<name>@<address>:<port>`. `srv`: the host is an SRV name (`_http._tcp.vllm.llm.svc."
+        "cluster.local`) and each target and port it lists is a backend (needs `specroute[dns]`). Resolved "
+        "again every `discovery.interval`: an address that goes is drained, a new one takes work once a health "
+        "check passes. `none`: the URL is one engine.",
+    )
 
     @field_validator("url")
     @classmethod
@@ -43,6 +54,75 @@ class Backend(Section):
 
     def api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+    @model_validator(mode="after")
+    def _discoverable(self) -> Backend:
+        if self.discover != "none" and urlsplit(self.url).scheme == "https":
+            # The engines would be reached by address, and their certificates name the host.
+            raise ValueError("discover works with http:// engines only: an https engine's certificate names its host")
+        return self
+
+
+class Discovery(Section):
+    """How backends with `discover` are found (docs/discovery.md): every answer is checked and bounded."""
+
+    interval: float = Field(default=5.0, gt=0, description="Names are resolved again this often, in seconds.")
+    timeout: float = Field(
+        default=2.0,
+        gt=0,
+        description="Longest wait for one name's answer; a name that fails keeps the backends it had.",
+    )
+    max_addresses: int = Field(
+        default=32,
+        ge=1,
+        le=1024,
+        description="Backends one name may give at most; of a longer answer the lowest addresses are kept (sorted, "
+        "so that an answer in another order keeps the same ones), the rest counted and logged.",
+    )
+    networks: list[str] = Field(
+        default=["0.0.0.0/0", "::/0"],
+        min_length=1,
+        description="Networks an address must be in to become a backend (e.g. the pod network `10.0.0.0/8`). "
+        "Whatever this says, unspecified, multicast, link-local (a cloud's metadata service) and reserved "
+        "addresses never are.",
+    )
+    nameservers: list[str] = Field(
+        default=[],
+        description="DNS servers to ask (`address` or `address:port`) instead of the system's resolver "
+        "(/etc/hosts, /etc/resolv.conf). Needs `specroute[dns]`, as `discover: srv` does (which asks the "
+        "system's nameservers when this is empty).",
+    )
+
+    @field_validator("networks")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for network in value:
+            try:
+                ipaddress.ip_network(network)
+            except ValueError as exc:
+                raise ValueError(f"{network}: not a network ({exc})") from exc
+        return value
+
+    @field_validator("nameservers")
+    @classmethod
+    def _nameservers(cls, value: list[str]) -> list[str]:
+        for server in value:
+            host, port = nameserver(server)
+            ipaddress.ip_address(host)  # its ValueError names it
+            if not 0 < port < 65536:
+                raise ValueError(f"{server}: no such port")
+        return value
+
+
+def nameserver(value: str) -> tuple[str, int]:
+    """`address` or `address:port` (`[v6]:port`) -> (address, port); port 53 by default."""
+    if value.startswith("["):
+        host, _, port = value[1:].partition("]")
+        return host, int(port.removeprefix(":") or 53)
+    if value.count(":") == 1:
+        host, _, port = value.partition(":")
+        return host, int(port)
+    return value, 53
 
 
 class Pool(Section):

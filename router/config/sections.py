@@ -110,3 +110,31 @@ class Traffic(Section):
         "up on the request path.",
     )
     flush_seconds: float = Field(default=1.0, gt=0, description="How often the buffer is written to the file.")
+
+
+class Tracing(Section):
+    """OpenTelemetry traces of the requests (docs/tracing.md); needs `specroute[otel]`. Read at start only."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Send a span per request over OTLP/HTTP and pass its `traceparent` to the engine. Off: nothing "
+        "of OpenTelemetry is loaded, and a client's `traceparent` goes to the engine as it came.",
+    )
+    endpoint: str | None = Field(
+        default=None,
+        description="The OTLP/HTTP traces endpoint (`http://collector:4318/v1/traces`). Unset: "
+        "`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, else `OTEL_EXPORTER_OTLP_ENDPOINT` + `/v1/traces`, else "
+        "`http://localhost:4318/v1/traces`, as the OpenTelemetry SDK reads them.",
+    )
+    sample_ratio: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Share of new traces recorded; a request arriving with a `traceparent` follows its sampled "
+        "flag. Unset: `OTEL_TRACES_SAMPLER` and `OTEL_TRACES_SAMPLER_ARG` decide (by default, every request).",
+    )
+    service_name: str | None = Field(
+        default=None,
+        description="The spans' `service.name`. Unset: `OTEL_SERVICE_NAME` (or `OTEL_RESOURCE_ATTRIBUTES`), else "
+        "`specroute`.",
+    )

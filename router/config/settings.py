@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,9 @@ from router.config.base import JobClass
 from router.config.batch import Batch, Responses
 from router.config.connections import Health, Limits, Retries, Timeouts, Tls
 from router.config.fairness import Fairness
-from router.config.pools import Pool
+from router.config.pools import Discovery, Pool
 from router.config.routing import Classify, Conversations, Learn, Routing, Scrape
-from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown, Traffic
+from router.config.sections import Auth, Headers, Listen, Log, MetricsConfig, Shutdown, Tracing, Traffic
 from router.config.state import State
 from router.content import CONTENT_KINDS
 
@@ -48,6 +49,8 @@ class Settings(BaseSettings):
     traffic: Traffic = Traffic()
     fairness: Fairness = Fairness()
     state: State = State()
+    discovery: Discovery = Discovery()
+    tracing: Tracing = Tracing()
     max_body_bytes: int = Field(
         default=4 * 1024 * 1024,
         ge=1,
@@ -85,6 +88,11 @@ class Settings(BaseSettings):
         backends = [b for pool in self.pools.values() for b in pool.backends]
         if len(backends) != len(set(backends)):
             raise ValueError("backend names must be unique across pools")
+        srv = any(b.discover == "srv" for pool in self.pools.values() for b in pool.backends.values())
+        if (srv or self.discovery.nameservers) and importlib.util.find_spec("dns") is None:
+            raise ValueError("discover: srv and discovery.nameservers need dnspython: pip install 'specroute[dns]'")
+        if self.tracing.enabled and importlib.util.find_spec("opentelemetry.sdk") is None:
+            raise ValueError("tracing needs the OpenTelemetry SDK: pip install 'specroute[otel]'")
         return self
 
     def pool_for(self, job: JobClass) -> str:

@@ -33,6 +33,7 @@ class Routed:
     prefer: str | None = None  # the backend to take if it has a slot: its prompt's prefix is there
     prompt: Prompt | None = None  # its conversation (router.conversations), noted where it is placed
     held: Mapping[str, int] = field(default_factory=dict)  # prompt tokens each backend likely holds
+    trace: tuple[tuple[str, str], ...] = ()  # the request span's context for the engine (router.tracing)
 
 
 def decide(

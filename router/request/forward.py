@@ -146,7 +146,10 @@ class Forwarder:
                 return step
             self._observer.retried(step.backend, step.reason)
             if step.pool != route.decision.pool:
-                route.decision = replace(route.decision, pool=step.pool, reason=f"failover:{routed.decision.pool}")
+                # The first token predicted was the first pool's.
+                route.decision = replace(
+                    route.decision, pool=step.pool, reason=f"failover:{routed.decision.pool}", predicted_ttft=None
+                )
 
     async def _on_pool(
         self, incoming: Incoming, routed: Routed, plan: Plan, route: _Route, noted: Callable[[Attempts], None]
@@ -256,6 +259,7 @@ class Forwarder:
             request_id=incoming.arrival.request_id,
             api_key=backend.api_key,
             forward_authorization=plan.forward_authorization,
+            trace=routed.trace,
         )
         try:
             arrival = incoming.arrival

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+
+from router.tracing import TRACE_HEADERS
 
 # RFC 9110 §7.6.1 hop-by-hop fields, plus those a proxy sets itself.
 HOP_BY_HOP = frozenset(
@@ -37,10 +39,15 @@ def request_headers(
     request_id: str,
     api_key: str | None,
     forward_authorization: bool,
+    trace: Sequence[tuple[str, str]] = (),
 ) -> list[tuple[str, str]]:
-    """Headers for the upstream request, from the client's (lower-cased) headers."""
+    """Headers for the upstream request, from the client's (lower-cased) headers. `trace`: the
+    router's own trace context (router.tracing), in place of the client's."""
     skip = HOP_BY_HOP | _SET_BY_PROXY | drop | _connection_tokens(client.get("connection"))
+    if trace:
+        skip |= TRACE_HEADERS
     headers = {name: value for name, value in client.items() if name not in skip}
+    headers.update(trace)
     headers["x-request-id"] = request_id
     # Identity, so the stream can be inspected as it passes; engines rarely compress anyway.
     headers["accept-encoding"] = "identity"

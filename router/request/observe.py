@@ -44,6 +44,7 @@ class Finished:
     accept_length: float | None = None  # the backend's speculative gain when it ended
     conversation: str | None = None  # its session header or the stored response it continues
     declared: bool = False  # the client named its job type in the job header
+    streamed: bool = False  # the client asked for a stream
 
 
 class Observer:
@@ -64,6 +65,23 @@ class Observer:
         self._tpot = Children(metrics.tpot)
         self._completion_tokens = Children(metrics.completion_tokens)
         self._prompt_tokens = Children(metrics.prompt_tokens)
+        self._prediction_error = Children(metrics.prediction_error)
+        self._ttft_target = Children(metrics.ttft_target)
+
+    def forget(self, backend: str) -> None:
+        """Drop the series of a backend removed for good (router.backends.discovery)."""
+        for children in (
+            self._queue_wait,
+            self._upstream_errors,
+            self._retries,
+            self._ttft,
+            self._requests,
+            self._duration,
+            self._tpot,
+            self._completion_tokens,
+            self._prompt_tokens,
+        ):
+            children.forget(backend)
 
     def decided(self, decision: Decision) -> None:
         self._decisions(decision.job, decision.pool, decision.reason, decision.content).inc()
@@ -85,9 +103,17 @@ class Observer:
     def retried(self, backend: Backend, reason: str) -> None:
         self._retries(backend.pool, backend.name, reason).inc()
 
-    def first_token(self, decision: Decision, backend: Backend, model: str | None, ttft: float, token: object) -> None:
+    def first_token(
+        self, decision: Decision, backend: Backend, model: str | None, ttft: float, token: object, *, target: float
+    ) -> None:
+        """A stream's first token, `ttft` seconds after arrival; `target`: routing.ttft_target."""
         self._ttft(decision.pool, backend.name, decision.job, self._metrics.model(model)).observe(ttft)
         backend.first_tokens.arrived(token, ttft)
+        # How well routing predicted it (docs/metrics.md, "Prediction accounting").
+        if decision.predicted_ttft is not None:
+            self._prediction_error(decision.pool).observe(ttft - decision.predicted_ttft)
+        if decision.job == "interactive":
+            self._ttft_target(decision.pool, "within" if ttft <= target else "late").inc()
 
     def finished(self, done: Finished) -> None:
         metrics = self._metrics
@@ -98,6 +124,8 @@ class Observer:
         model = metrics.model(done.model)
         labels = (pool, name, job, model)
         self._requests(*labels, str(done.status), done.code or "").inc()
+        if done.streamed and done.ttft is None and decision is not None and decision.job == "interactive":
+            self._ttft_target(pool, "none").inc()
         self._duration(*labels).observe(done.duration)
         if backend is not None and decision is not None:
             if done.tokens:

@@ -44,6 +44,7 @@ from router.routing.learn import SpeedModel
 from router.routing.limits import Admitted, Limiter
 from router.routing.policy import Decision, PoolState
 from router.routing.snapshot import snapshot
+from router.tracing import RequestSpan, Tracer
 from router.transport import TransportError
 
 # An ASGI extension: a caller that asks for it hears `{"type": ADMITTED}` when its request enters a
@@ -65,7 +66,9 @@ class Pipeline:
         conversations: ConversationIndex,
         limiter: Limiter,
         clock: Clock,
+        tracer: Tracer | None = None,
     ) -> None:
+        """`tracer`: a span per request (router.tracing), or None: tracing off."""
         self._pools = pools
         self._conversations = conversations
         self._clients = clients
@@ -76,6 +79,7 @@ class Pipeline:
         self._owners = owners
         self._limiter = limiter
         self._clock = clock
+        self._tracer = tracer
         self.plan: Plan | None = None  # set by Router.apply, swapped whole on a reload
         self._serving: set[_Serving] = set()  # one per request being served
 
@@ -85,6 +89,8 @@ class Pipeline:
         arrival = ingress.arrive(scope, self._clock.now())
         incoming: Incoming | None = None
         request = _Record()
+        if self._tracer is not None:
+            request.span = self._tracer.start(arrival)
         try:
             # Ingress: the client's key, the body within its limits, the JSON.
             incoming = await ingress.accept(arrival, scope, receive, plan)
@@ -135,6 +141,8 @@ class Pipeline:
                 if prompt is not None and cached is not None:
                     routed = _with_conversation(routed, pools, prompt, cached)
                 routed = await self._owners.route(incoming, routed, plan)  # a stored response: to its backend
+                if request.span is not None:  # the engine's spans join the request's trace
+                    routed = replace(routed, trace=tuple(request.span.upstream_headers()))
                 self._observer.decided(routed.decision)
                 request.decision = routed.decision
                 if ADMITTED in scope.get("extensions", {}):  # an in-process caller counting its requests
@@ -167,7 +175,10 @@ class Pipeline:
                     answer_tokens=outcome.tokens if outcome is not None else None,
                     now=self._clock.now(),
                 )
-            self._observer.finished(self._finished(arrival, incoming, request, plan))
+            finished = self._finished(arrival, incoming, request, plan)
+            self._observer.finished(finished)
+            if request.span is not None:
+                request.span.end(finished)
 
     async def _serve_until_disconnect(
         self, receive: Receive, send: Send, incoming: Incoming, routed: Routed, plan: Plan, request: _Record
@@ -243,7 +254,7 @@ class Pipeline:
         def first_token() -> float:
             # Recorded when it arrives, not when the request ends: a queue shows while it builds.
             ttft = self._clock.now() - incoming.arrival.started
-            self._observer.first_token(decision, backend, model, ttft, id(incoming))
+            self._observer.first_token(decision, backend, model, ttft, id(incoming), target=plan.routing.ttft_target)
             return ttft
 
         def broken(exc: TransportError) -> tuple[int, str | None, bytes]:
@@ -312,6 +323,7 @@ class Pipeline:
             accept_length=backend.engine.accept_length(now, plan.acceptance_max_age) if backend is not None else None,
             conversation=_conversation(incoming, plan.conversations.session_header) if incoming is not None else None,
             declared=incoming is not None and plan.job_header in incoming.arrival.headers,
+            streamed=incoming.stream if incoming is not None else False,
         )
 
 
@@ -367,9 +379,10 @@ async def _disconnected(receive: Receive) -> None:
 class _Record:
     """What became of one request so far: filled in as it goes, read once at its end."""
 
-    __slots__ = ("attempts", "code", "decision", "limits", "outcome", "progress", "status")
+    __slots__ = ("attempts", "code", "decision", "limits", "outcome", "progress", "span", "status")
 
     def __init__(self) -> None:
+        self.span: RequestSpan | None = None
         self.decision: Decision | None = None
         self.attempts: Attempts | None = None
         self.outcome: Outcome | None = None

@@ -52,7 +52,8 @@ class StoredResponses:
         owner = next((b for b in self._pools.backends() if b.name == name), None) if name is not None else None
         if owner is None:
             return routed  # held nowhere that answered, or no longer configured: as usual
-        decision = replace(routed.decision, pool=owner.pool, reason="response_affinity")
+        # Pinned to one backend: the pool's predicted first token (its best backend's) is not its.
+        decision = replace(routed.decision, pool=owner.pool, reason="response_affinity", predicted_ttft=None)
         return replace(routed, decision=decision, backend=owner.name)
 
     async def _locate(self, incoming: Incoming, ref: str, plan: Plan) -> str | None:

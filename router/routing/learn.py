@@ -246,6 +246,12 @@ class SpeedModel:
             if table
         }
 
+    def add_prior(self, backend: str, tables: Mapping[ContentKind, Mapping[int, float]]) -> None:
+        """The prior speeds of a backend found since the last `configure` (its pool's)."""
+        for kind, table in tables.items():
+            if table:
+                self._priors[(backend, kind)] = Prior(tuple(sorted(table.items())))
+
     def prior(self, backend: str, kind: ContentKind) -> Prior | None:
         return self._priors.get((backend, kind))
 
@@ -264,9 +270,12 @@ class SpeedModel:
         curve.observe(concurrency, speed, tokens=tokens, gain=gain, now=self._clock.now())
 
     def forget(self, backend: str) -> None:
-        """Drop what was learned of a backend (another engine now answers under its name)."""
+        """Drop what was learned of a backend (another engine now answers under its name, or it
+        is gone); its prior comes back with the next `configure` if it is still configured."""
         for key in [key for key in self._curves if key[0] == backend]:
             del self._curves[key]
+        for kind in [kind for name, kind in self._priors if name == backend]:
+            del self._priors[(backend, kind)]
 
     def curve(self, backend: str, kind: ContentKind, *, short: bool = False) -> Curve | None:
         return self._curves.get((backend, kind, short))

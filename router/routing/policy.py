@@ -71,6 +71,9 @@ class Decision:
     job: JobClass
     reason: str
     content: ContentKind = "prose"
+    # The first-token wait predicted for the pool when it was chosen, seconds (None: not known);
+    # set against the actual one once it arrives (router.request.observe).
+    predicted_ttft: float | None = None
 
 
 class Policy:
@@ -125,7 +128,8 @@ class Policy:
         job = classification.job
 
         def to(pool: str, reason: str = classification.reason) -> Decision:
-            return Decision(pool, job, reason, content)
+            state = pools.get(pool)
+            return Decision(pool, job, reason, content, state.ttft if state is not None else None)
 
         if classification.pinned_pool is not None:
             return to(classification.pinned_pool, "pinned")

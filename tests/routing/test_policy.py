@@ -217,3 +217,15 @@ def test_a_first_token_target_moves_neither_batch_work_nor_a_pinned_request() ->
     assert _with_target(BATCH, spec(ttft=0.1), std(ttft=9.0), 0.5).pool == "team"
     pinned = Classification("interactive", "header", pinned_pool="fast")
     assert _with_target(pinned, spec(ttft=9.0), std(ttft=0.1), 0.5).pool == "fast"
+
+
+@pytest.mark.parametrize("mode", ["static", "crossover", "adaptive"])
+def test_a_decision_carries_the_first_token_predicted_for_its_pool(mode: str) -> None:
+    """What the policy went by is kept with the decision, to be set against what happened."""
+    fast, team = spec(ttft=0.4), std(ttft=2.5)
+    assert _decide(INTERACTIVE, fast, team, mode=mode).predicted_ttft == 0.4
+    assert _decide(BATCH, fast, team, mode=mode).predicted_ttft == 2.5
+    pinned = Classification("interactive", "header", pinned_pool="team")
+    assert _decide(pinned, fast, team, mode=mode).predicted_ttft == 2.5
+    assert _decide(INTERACTIVE, spec(engine_queued=3, ttft=9.0), std(ttft=1.0), mode="crossover").predicted_ttft == 1.0
+    assert _decide(INTERACTIVE, spec(), std()).predicted_ttft is None  # nothing to go on
