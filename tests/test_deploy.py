@@ -13,6 +13,7 @@ import sys
 import tomllib
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import jsonschema
 import kubernetes_validate
@@ -51,6 +52,25 @@ def test_manifests_match_the_kubernetes_schemas() -> None:
     for doc in _all_manifests():
         if doc["kind"] not in OPERATOR_KINDS:
             kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+
+
+def test_the_engines_are_found_through_headless_services(tmp_path: Path) -> None:
+    config = tmp_path / "router.yaml"
+    config.write_text(_manifests()["ConfigMap"]["data"]["router.yaml"])
+    settings = load_settings(config)
+    services = {
+        f"{doc['metadata']['name']}.{doc['metadata']['namespace']}.svc.cluster.local": doc
+        for doc in _all_manifests()
+        if doc["kind"] == "Service" and doc["metadata"].get("namespace") == "llm"
+    }
+    backends = [backend for pool in settings.pools.values() for backend in pool.backends.values()]
+    assert backends and all(backend.discover == "dns" for backend in backends)
+    for backend in backends:
+        url = urlsplit(backend.url)
+        service = services[url.hostname or ""]
+        assert service["spec"]["clusterIP"] == "None"  # headless: one address per ready pod
+        assert url.port in {port["port"] for port in service["spec"]["ports"]}
+    assert settings.discovery.networks != ["0.0.0.0/0", "::/0"]  # only the pod network
 
 
 def test_the_schema_check_catches_a_typo() -> None:
