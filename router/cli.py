@@ -225,6 +225,24 @@ def _bench_parser(commands: Any) -> None:
     spill.add_argument("--users", type=users, default=[1, 2, 4, 8, 16, 32], help="interactive users per point")
     spill.add_argument("--modes", default="adaptive,static", help="routing modes to run, comma-separated")
 
+    talks = scenarios.add_parser(
+        "conversations", help="users in long conversations beside a batch job that comes and goes, per routing"
+    )
+    talks.add_argument("--users", type=int, default=6, help="conversations at once")
+    talks.add_argument("--turns", type=int, default=10, help="turns of each conversation")
+    talks.add_argument("--context-words", type=int, default=16000, help="words of the context the first turn sends")
+    talks.add_argument("--turn-words", type=int, default=600, help="words of each new user message")
+    talks.add_argument("--answer-tokens", type=int, default=256, help="fixed answer length")
+    talks.add_argument("--think", type=float, default=5, help="seconds between an answer and the next turn")
+    talks.add_argument("--batch", type=int, default=64, help="batch requests in flight while the job runs")
+    talks.add_argument("--batch-on", type=float, default=40, help="seconds the batch job runs at a time")
+    talks.add_argument("--batch-off", type=float, default=40, help="seconds it pauses between")
+    talks.add_argument(
+        "--modes", default="adaptive,adaptive-unpriced,static,round-robin", help="routing settings, comma-separated"
+    )
+    talks.add_argument("--time-scale", type=float, default=4.0, help="the simulated engines run N times faster")
+    talks.add_argument("--out", type=Path, help="directory for report.md and JSON")
+
 
 def _missing_tools(command: str, exc: ModuleNotFoundError) -> int:
     """Say how to install the tools, if a missing one is what failed; re-raise anything else."""

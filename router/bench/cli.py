@@ -1,9 +1,11 @@
-"""`specroute bench sweep | mixed | compare | spill | batchjob` (their arguments: router/cli.py)."""
+"""`specroute bench sweep | mixed | compare | spill | batchjob | conversations` (their arguments: router/cli.py)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import functools
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -17,7 +19,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from router.bench import report
 from router.bench.batchjob import batch_job
 from router.bench.batchjob import markdown as batchjob_markdown
-from router.bench.compare import run_on_layout
+from router.bench.compare import run_on_layout, running_layout
+from router.bench.conversations import MODE_SETTINGS, conversations
+from router.bench.conversations import Options as ConversationsOptions
+from router.bench.conversations import markdown as conversations_markdown
 from router.bench.load import Target
 from router.bench.plan import Figures, Outcome, Split, recorded_at
 from router.bench.plan import table as plan_table
@@ -46,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         return _replay(args, out)
     if args.scenario == "fairness":
         return _fairness(args, out)
+    if args.scenario == "conversations":
+        return _conversations(args, out)
     return _compare(args, out)
 
 
@@ -381,3 +388,36 @@ def _seconds(value: float | None) -> str:
 
 def _rate(value: float | None) -> str:
     return f"{value:.1f}" if value is not None else "-"
+
+
+def _conversations(args: argparse.Namespace, out: Path) -> int:
+    """Each routing setting on the embedded layout, started clean (router.bench.conversations)."""
+    options = ConversationsOptions(
+        users=args.users,
+        turns=args.turns,
+        context_words=args.context_words,
+        turn_words=args.turn_words,
+        answer_tokens=args.answer_tokens,
+        think=args.think,
+        batch=args.batch,
+        batch_on=args.batch_on,
+        batch_off=args.batch_off,
+    )
+    model = load_profile("fast").model
+    results = {}
+    for mode in [m for m in args.modes.split(",") if m]:
+        routing_mode, environ = MODE_SETTINGS[mode]
+        with running_layout(
+            "routed", time_scale=args.time_scale, routing_mode=routing_mode, environ=environ, prompt_tokens_details=True
+        ) as base_url:
+            target = Target(base_url=base_url, model=model, time_scale=args.time_scale)
+            results[mode] = _with_progress(
+                f"conversations: {mode}",
+                functools.partial(conversations, target, options, mode=mode),
+            )
+    report.write_json(
+        out / "conversations.json",
+        {"options": dataclasses.asdict(options), "time_scale": args.time_scale,
+         "results": {mode: result.summary() for mode, result in results.items()}},
+    )  # fmt: skip
+    return _finish(out, conversations_markdown(results, options, ttft_target=3.0))

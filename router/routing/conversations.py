@@ -54,6 +54,7 @@ class Cached:
     held: Mapping[str, int]  # tokens of its prefix each backend most likely holds
     home: str | None = None  # the pool its conversation was last placed in
     settled: bool = False  # ...having moved there within `settle_seconds`
+    last: str | None = None  # ...and the backend
 
 
 class ConversationIndex:
@@ -116,7 +117,7 @@ class ConversationIndex:
         if conversation is None:
             return Cached(prompt.tokens, self.held(prompt, now))
         settled = now - conversation.moved_at < self.config.settle_seconds
-        return Cached(prompt.tokens, self.held(prompt, now), conversation.pool, settled)
+        return Cached(prompt.tokens, self.held(prompt, now), conversation.pool, settled, conversation.backend)
 
     def placed(self, prompt: Prompt, *, backend: str, pool: str, now: float) -> None:
         """The prompt went to `backend`: its blocks are cached there from now on."""

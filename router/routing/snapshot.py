@@ -78,9 +78,12 @@ def snapshot(
             for b in accepting:
                 rate = b.engine.prefill.seconds_per_token or prefill_token_seconds
                 ttfts[b.name] += max(0, cached.tokens - cached.held.get(b.name, 0)) * rate
-            holder = max(accepting, key=lambda b: (cached.held.get(b.name, 0), -load[b.name]))
-            if cached.held.get(holder.name) and holder.has_room and load[holder.name] - concurrency <= load_bound:
-                prefer, held = holder.name, cached.held[holder.name]
+            # The backend holding the longest prefix; if none holds any, where the conversation
+            # (named by its session) last went.
+            holder = max(accepting, key=lambda b: (cached.held.get(b.name, 0), b.name == cached.last, -load[b.name]))
+            known = cached.held.get(holder.name) or holder.name == cached.last
+            if known and holder.has_room and load[holder.name] - concurrency <= load_bound:
+                prefer, held = holder.name, cached.held.get(holder.name, 0)
         ttft = ttfts[prefer] if prefer is not None else min(ttfts.values())
         states[pool.name] = PoolState(
             speculative=pool.speculative,

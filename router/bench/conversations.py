@@ -1,0 +1,239 @@
+"""`specroute bench conversations`: users in long conversations beside a batch job that comes and goes.
+
+Each user holds one conversation, as a coding agent does: its first message carries a context
+of `context_words` words (files, a long document), and every later turn sends the whole history
+again (its earlier messages, and an answer of the length it got for each) with a new message of
+`turn_words` words, so the prompt grows to tens of thousands of tokens.
+Beside them a batch client (`X-Job-Type: batch`) keeps `batch` requests in flight for
+`batch_on` seconds, stops for `batch_off`, and so on, so the standard pool is loaded, then idle,
+and the router's reasons to spill change under the conversations.
+
+Each routing setting runs on the embedded layout (one speculative engine, one standard, both
+simulated, started clean): `adaptive` with conversations priced (the default), `adaptive` with
+`conversations.enabled: false`, `static`, and `round-robin` (every request pinned to the pools
+in turn with `X-Route-Pool`, what a load balancer unaware of both pools and caches does).
+Reported per setting: the first token of first turns and of later turns (p50, p95, worst), the
+later turns' p95 over the first turns', the share of later turns' prompt tokens the engine found
+cached (its usage's `prompt_tokens_details.cached_tokens`), how often consecutive turns of one
+conversation changed pools, and the batch job's throughput. Figures in the target's real time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.bench.load import Job, Load, Record, Target
+from router.prompts import prompts
+from router.quantiles import percentile
+
+MODES = ("adaptive", "adaptive-unpriced", "static", "round-robin")
+# Each mode's router: its routing mode, and settings in the environment of the layout's process.
+MODE_SETTINGS: dict[str, tuple[str, dict[str, str]]] = {
+    "adaptive": ("adaptive", {}),
+    "adaptive-unpriced": ("adaptive", {"SPECROUTE_CONVERSATIONS__ENABLED": "false"}),
+    "static": ("static", {}),
+    "round-robin": ("adaptive", {"SPECROUTE_CONVERSATIONS__ENABLED": "false"}),
+}
+POOLS = ("fast", "team")
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    users: int = 6
+    turns: int = 10
+    context_words: int = 16000
+    turn_words: int = 600
+    answer_tokens: int = 256
+    think: float = 5.0  # seconds between an answer and the next turn
+    batch: int = 64  # batch requests in flight while the job runs
+    batch_on: float = 40.0
+    batch_off: float = 40.0
+    batch_tokens: int = 256
+
+
+@dataclass(slots=True)
+class Turn:
+    user: int
+    turn: int
+    record: Record
+
+
+@dataclass(slots=True)
+class ConversationsResult:
+    turns: list[Turn] = field(default_factory=list)
+    batch: list[Record] = field(default_factory=list)
+    batch_seconds: float = 0.0  # real time the batch job ran
+
+    def summary(self) -> dict[str, Any]:
+        first = [t.record for t in self.turns if t.turn == 0]
+        later = [t.record for t in self.turns if t.turn > 0]
+
+        def ttfts(records: list[Record]) -> list[float]:
+            return [r.ttft for r in records if r.ok and r.ttft is not None]
+
+        def quantiles(records: list[Record]) -> dict[str, float | None]:
+            values = ttfts(records)
+            return {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95), "worst": max(values, default=None)}
+
+        prompt = sum(r.prompt_tokens for r in later if r.ok and r.cached_tokens is not None)
+        cached = sum(r.cached_tokens or 0 for r in later if r.ok)
+        first_q, later_q = quantiles(first), quantiles(later)
+        ratio = None
+        if first_q["p95"] and later_q["p95"] is not None:
+            ratio = later_q["p95"] / first_q["p95"]
+        batch_tokens = sum(r.tokens for r in self.batch if r.ok)
+        return {
+            "turns": len(self.turns),
+            "errors": sum(1 for t in self.turns if not t.record.ok),
+            "first": first_q,
+            "later": later_q,
+            "later_over_first_p95": ratio,
+            "later_cached_share": cached / prompt if prompt else None,
+            "longest_prompt": max((r.prompt_tokens for r in later), default=0),
+            "switches": self.switches(),
+            "batch_tokens_per_second": batch_tokens / self.batch_seconds if self.batch_seconds else 0.0,
+            "batch_errors": sum(1 for r in self.batch if not r.ok),
+        }
+
+    def switches(self) -> int:
+        """Consecutive turns of one conversation on different pools."""
+        count = 0
+        by_user: dict[int, list[Turn]] = {}
+        for turn in self.turns:
+            by_user.setdefault(turn.user, []).append(turn)
+        for turns in by_user.values():
+            pools = [t.record.pool for t in sorted(turns, key=lambda t: t.turn)]
+            count += sum(1 for a, b in itertools.pairwise(pools) if a and b and a != b)
+        return count
+
+
+def _words(rng: random.Random, count: int) -> str:
+    """`count` words of the shipped prose, from a place of the user's own."""
+    words = " ".join(prompts("prose")).split()
+    start = rng.randrange(len(words))
+    return " ".join(words[(start + i) % len(words)] for i in range(count))
+
+
+async def conversations(
+    target: Target, options: Options, progress: Callable[[float], None] | None = None, *, mode: str
+) -> ConversationsResult:
+    """Run the users' conversations to their end beside the batch job; the job stops with them."""
+    result = ConversationsResult()
+    load = Load(target, max_connections=options.users + options.batch + 8)
+    pools = itertools.cycle(POOLS)
+
+    def pinned() -> dict[str, str]:
+        return {"X-Route-Pool": next(pools)} if mode == "round-robin" else {}
+
+    async def user(number: int) -> None:
+        rng = random.Random(number)
+        messages: list[dict[str, str]] = []
+        await asyncio.sleep(number * options.think / max(1, options.users) / target.time_scale)  # apart
+        for turn in range(options.turns):
+            messages.append(
+                {"role": "user", "content": f"User {number}, turn {turn}: {_words(rng, options.turn_words)}"}
+            )
+            job = Job(
+                max_tokens=options.answer_tokens, label="conversation", headers=pinned(), messages=tuple(messages)
+            )
+            record = await load.request(job)
+            result.turns.append(Turn(number, turn, record))
+            # The answer goes back into the history, as long as it was (the text itself is not kept).
+            messages.append({"role": "assistant", "content": _words(rng, max(1, record.tokens))})
+            if progress is not None:
+                progress(len(result.turns) / (options.users * options.turns))
+            await asyncio.sleep(options.think / target.time_scale)
+
+    async def batch_request() -> None:
+        job = Job(max_tokens=options.batch_tokens, label="batch", headers={"X-Job-Type": "batch", **pinned()})
+        result.batch.append(await load.request(job))
+
+    async def batch_job(done: asyncio.Event) -> None:
+        while not done.is_set():
+            started = load.now()
+            running: set[asyncio.Task[None]] = set()
+            deadline = started + options.batch_on
+            while load.now() < deadline and not done.is_set():
+                while len(running) < options.batch:
+                    task = asyncio.create_task(batch_request())
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                await asyncio.sleep(0.05)
+            if running:
+                await asyncio.gather(*running)
+            result.batch_seconds += load.now() - started
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), options.batch_off / target.time_scale)
+
+    done = asyncio.Event()
+    try:
+        batch = asyncio.create_task(batch_job(done))
+        await asyncio.gather(*(user(n) for n in range(options.users)))
+        done.set()
+        await batch
+    finally:
+        await load.aclose()
+    return result
+
+
+def markdown(results: dict[str, ConversationsResult], options: Options, *, ttft_target: float) -> str:
+    """The table of every setting run, and the issue's targets against it."""
+
+    def seconds(value: float | None) -> str:
+        return "—" if value is None else f"{value:.2f}"
+
+    def share(value: float | None) -> str:
+        return "—" if value is None else f"{value:.0%}"
+
+    lines = [
+        "| routing | first turn p50 / p95 / worst (s) | later turns p50 / p95 / worst (s) | later p95 ÷ first p95 "
+        "| later turns' prompt tokens cached | pool switches | batch tok/s | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    summaries = {mode: result.summary() for mode, result in results.items()}
+    for mode, s in summaries.items():
+        first, later = s["first"], s["later"]
+        ratio = "—" if s["later_over_first_p95"] is None else f"{s['later_over_first_p95']:.2f}×"
+        lines.append(
+            f"| {mode} | {seconds(first['p50'])} / {seconds(first['p95'])} / {seconds(first['worst'])} "
+            f"| {seconds(later['p50'])} / {seconds(later['p95'])} / {seconds(later['worst'])} | {ratio} "
+            f"| {share(s['later_cached_share'])} | {s['switches']} | {s['batch_tokens_per_second']:.0f} "
+            f"| {s['errors']} + {s['batch_errors']} batch |"
+        )
+    priced, unpriced = summaries.get("adaptive"), summaries.get("adaptive-unpriced")
+    targets = ["", "| target (adaptive, conversations priced) | measured | met |", "|---|---:|:-:|"]
+    if priced is not None:
+        ratio = priced["later_over_first_p95"]
+        targets.append(
+            f"| later turns' first-token p95 ≤ 1.5× the first turn's | {'—' if ratio is None else f'{ratio:.2f}×'} "
+            f"| {'yes' if ratio is not None and ratio <= 1.5 else 'NO'} |"
+        )
+        cached = priced["later_cached_share"]
+        targets.append(
+            f"| later turns' prompt tokens cached ≥ 80 % | {share(cached)} "
+            f"| {'yes' if cached is not None and cached >= 0.8 else 'NO'} |"
+        )
+        worst = max(priced["first"]["worst"] or 0.0, priced["later"]["worst"] or 0.0)
+        targets.append(
+            f"| interactive first tokens within routing.ttft_target ({ttft_target:g} s) | worst {worst:.2f} s "
+            f"| {'yes' if worst <= ttft_target else 'NO'} |"
+        )
+        if unpriced is not None and unpriced["batch_tokens_per_second"]:
+            kept = priced["batch_tokens_per_second"] / unpriced["batch_tokens_per_second"]
+            targets.append(
+                f"| batch throughput ≥ 95 % of the run without conversations' placement | {kept:.1%} "
+                f"| {'yes' if kept >= 0.95 else 'NO'} |"
+            )
+    header = (
+        f"## conversations: {options.users} users × {options.turns} turns, a {options.context_words}-word "
+        f"context then {options.turn_words} words a turn ({options.answer_tokens}-token answers, "
+        f"{options.think:g} s think), beside a batch job of {options.batch} in flight, "
+        f"{options.batch_on:g} s on / {options.batch_off:g} s off\n\n"
+    )
+    return header + "\n".join(lines) + "\n" + "\n".join(targets)
