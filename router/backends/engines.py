@@ -262,6 +262,15 @@ class EngineView:
         reported = reading.running + (reading.waiting or 0)
         return max(everywhere, round(reported) + max(0, in_flight - reading.own_in_flight) + elsewhere.unread)
 
+    def free_tokens(self, now: float, stale_after: float) -> float | None:
+        """Tokens of the engine's KV cache that no running request holds, as last read: all a
+        prefix cache keeps of idle prompts fits there (vLLM evicts it as requests need blocks).
+        None: no fresh reading, or the engine does not state its cache's size."""
+        reading, size = self.reading, self.stated.kv_cache_tokens
+        if size is None or reading.kv_usage is None or not reading.fresh(now, stale_after):
+            return None
+        return max(0.0, 1.0 - reading.kv_usage) * size
+
     def accept_length(self, now: float, max_age: float) -> float | None:
         """Tokens a sequence gains per step, as last measured, if not older than `max_age`."""
         if self.acceptance is None or now - self.acceptance.measured_at > max_age:

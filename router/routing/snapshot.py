@@ -34,8 +34,8 @@ def snapshot(
     With `cached` (its conversation, router.conversations), the backend most likely holding the
     longest prefix of its prompt is the pool's preferred one unless it is `load_bound` requests
     busier than the pool's emptiest, and each backend's predicted first token includes the
-    prefill of the part of the prompt it does not hold, at its learned rate (else
-    `prefill_token_seconds`)."""
+    prefill of the part of the prompt it does not hold (no more is held than its engine's free KV
+    space), at its learned rate (else `prefill_token_seconds`)."""
     # A pool that has measured no request yet takes the mean of those that have: the same model
     # and the same requests. An assumed constant would make it look many times slower or faster
     # than one that has, and decide the burst that arrives before it has finished one.
@@ -75,15 +75,16 @@ def snapshot(
         }
         prefer, held = None, 0
         if cached is not None:
+            holds = {b.name: _held(b, cached.held.get(b.name, 0), now, stale_after) for b in accepting}
             for b in accepting:
                 rate = b.engine.prefill.seconds_per_token or prefill_token_seconds
-                ttfts[b.name] += max(0, cached.tokens - cached.held.get(b.name, 0)) * rate
+                ttfts[b.name] += max(0, cached.tokens - holds[b.name]) * rate
             # The backend holding the longest prefix; if none holds any, where the conversation
             # (named by its session) last went.
-            holder = max(accepting, key=lambda b: (cached.held.get(b.name, 0), b.name == cached.last, -load[b.name]))
-            known = cached.held.get(holder.name) or holder.name == cached.last
+            holder = max(accepting, key=lambda b: (holds[b.name], b.name == cached.last, -load[b.name]))
+            known = holds[holder.name] or holder.name == cached.last
             if known and holder.has_room and load[holder.name] - concurrency <= load_bound:
-                prefer, held = holder.name, cached.held.get(holder.name, 0)
+                prefer, held = holder.name, holds[holder.name]
         ttft = ttfts[prefer] if prefer is not None else min(ttfts.values())
         states[pool.name] = PoolState(
             speculative=pool.speculative,
@@ -99,6 +100,14 @@ def snapshot(
             settled=cached is not None and cached.settled,
         )
     return states
+
+
+def _held(backend: Backend, tokens: int, now: float, stale_after: float) -> int:
+    """Of a prompt's prefix sent to `backend`, what its engine can still hold: no more than its
+    free KV space, where vLLM keeps the blocks of finished requests until it needs them. An
+    engine filled by other requests has evicted them."""
+    free = backend.engine.free_tokens(now, stale_after)
+    return tokens if free is None else min(tokens, int(free))
 
 
 def predicted_ttft(

@@ -65,6 +65,9 @@ def router_settings(fast_url: str, team_url: str) -> dict[str, Any]:
             # Long enough for a test to see the ejection before the health checks take over.
             "ejection_seconds": 10.0,
         },
+        # The real engines hold 2,048 tokens a request: a conversation is long from 128 (of the
+        # router's estimate, four characters a token) rather than 2,048.
+        conversations={"long_tokens": 128},
         auth={"admin_key_env": ADMIN_ENV},
         log={"format": "json"},
     )

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from router.backends.engines import EngineLoad, EngineView, PrefillRate
 from router.config import Conversations, Routing
 from router.routing.classify import Classification
 from router.routing.conversations import ConversationIndex, Prompt
@@ -141,3 +142,24 @@ LONG = 20_000
 def test_a_long_conversation_stays_where_its_cache_is(fast: PoolState, team: PoolState, pool: str, reason: str) -> None:
     decision = _decide(fast, team)
     assert (decision.pool, decision.reason) == (pool, reason)
+
+
+def test_an_engine_holds_no_more_of_a_prefix_than_its_free_kv() -> None:
+    view = EngineView()
+    assert view.free_tokens(10.0, 5.0) is None  # nothing read yet: what was sent is taken as held
+    view.observe(EngineLoad(running=3, kv_usage=0.25, kv_cache_tokens=4096, scraped_at=9.0))
+    assert view.free_tokens(10.0, 5.0) == 3072
+    view.observe(EngineLoad(running=16, kv_usage=1.0, kv_cache_tokens=4096, scraped_at=10.0))
+    assert view.free_tokens(10.0, 5.0) == 0  # filled by others: its idle prompts are evicted
+    assert view.free_tokens(20.0, 5.0) is None  # a stale reading says nothing
+
+
+def test_the_prefill_rate_is_the_slope_not_the_mean() -> None:
+    rate = PrefillRate()
+    for tokens in (100, 400, 1600, 100, 400, 1600):
+        rate.observe(tokens, 0.02 + 5e-5 * tokens)  # 20 ms a request, 50 us a token
+    assert rate.seconds_per_token == pytest.approx(5e-5)
+    same = PrefillRate()
+    for _ in range(8):
+        same.observe(500, 0.045)
+    assert same.seconds_per_token is None  # no spread to fit a slope on
