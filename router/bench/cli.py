@@ -1,4 +1,4 @@
-"""`specroute bench sweep | mixed | compare | spill | batchjob | conversations` (their arguments: router/cli.py)."""
+"""`specroute bench sweep | mixed | compare | spill | batchjob | replay | conversations` (arguments: router/cli.py)."""
 
 from __future__ import annotations
 
