@@ -75,9 +75,9 @@ class Children(Generic[_M]):
             child = self._children[values] = self._metric.labels(*values)
         return child
 
-    def forget(self, value: str) -> None:
-        """Drop every child with `value` among its label values (a backend removed for good)."""
-        for values in [values for values in self._children if value in values]:
+    def forget(self, value: str, *, at: int) -> None:
+        """Drop every child whose label number `at` is `value` (a backend removed for good)."""
+        for values in [values for values in self._children if values[at] == value]:
             del self._children[values]
             self._metric.remove(*values)
 

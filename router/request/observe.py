@@ -69,9 +69,9 @@ class Observer:
         self._ttft_target = Children(metrics.ttft_target)
 
     def forget(self, backend: str) -> None:
-        """Drop the series of a backend removed for good (router.backends.discovery)."""
+        """Drop the series of a backend removed for good (router.backends.discovery): those
+        labelled with it, each second after `pool`; a pool or class of the same name keeps its own."""
         for children in (
-            self._queue_wait,
             self._upstream_errors,
             self._retries,
             self._ttft,
@@ -81,7 +81,7 @@ class Observer:
             self._completion_tokens,
             self._prompt_tokens,
         ):
-            children.forget(backend)
+            children.forget(backend, at=1)
 
     def decided(self, decision: Decision) -> None:
         self._decisions(decision.job, decision.pool, decision.reason, decision.content).inc()

@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 from openai import OpenAI
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from router.app import create_app
 from router.backends.discovery import SystemResolver, screen
 from router.backends.pools import Address, Backend
 from router.config import Settings
+from router.metrics import Children
 from router.runtime import Router
 from tests.dns_server import DnsServer
 from tests.fake_engine import FakeEngine
@@ -83,6 +84,19 @@ def test_discover_needs_an_http_engine() -> None:
         Settings.model_validate(
             {"pools": {"p": {"speculative": True, "backends": {"b": {"url": "https://x.test", "discover": "dns"}}}}}
         )
+
+
+def test_forgetting_a_backend_keeps_a_pool_of_the_same_name() -> None:
+    registry = CollectorRegistry()
+    children = Children(Counter("c", "d", ["pool", "backend"], registry=registry))
+    for pool, backend in (("team", "team"), ("fast", "team"), ("team", "t1")):
+        children(pool, backend).inc()
+    children.forget("team", at=1)
+    assert registry.get_sample_value("c_total", {"pool": "team", "backend": "t1"}) == 1
+    assert registry.get_sample_value("c_total", {"pool": "team", "backend": "team"}) is None
+    assert registry.get_sample_value("c_total", {"pool": "fast", "backend": "team"}) is None
+    children("team", "team").inc()  # a backend of that name again: a series of its own
+    assert registry.get_sample_value("c_total", {"pool": "team", "backend": "team"}) == 1
 
 
 # Serving tests: the router, engines on several loopback addresses, the DNS server.
