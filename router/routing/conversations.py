@@ -32,6 +32,7 @@ class Prompt:
     """One request as the index sees it."""
 
     key: bytes  # its conversation
+    named: bool  # ...named by the session header, not by its leading text
     blocks: tuple[bytes, ...]  # hashes of its leading blocks, each covering all text before it
     tokens: int  # its prompt's tokens, estimated
 
@@ -54,7 +55,7 @@ class Cached:
     held: Mapping[str, int]  # tokens of its prefix each backend most likely holds
     home: str | None = None  # the pool its conversation was last placed in
     settled: bool = False  # ...having moved there within `settle_seconds`
-    last: str | None = None  # ...and the backend
+    last: str | None = None  # ...and the backend, for a conversation named by its session
 
 
 class ConversationIndex:
@@ -90,7 +91,7 @@ class ConversationIndex:
             key = blocks[min(len(blocks), _KEY_BLOCKS) - 1]
         else:
             key = digest.digest()  # a prompt shorter than a block: its whole text
-        return Prompt(key, tuple(blocks), -(-len(text) // CHARS_PER_TOKEN))
+        return Prompt(key, bool(session), tuple(blocks), -(-len(text) // CHARS_PER_TOKEN))
 
     def held(self, prompt: Prompt, now: float) -> dict[str, int]:
         """Each backend's tokens of the prompt's prefix that it most likely holds."""
@@ -117,7 +118,10 @@ class ConversationIndex:
         if conversation is None:
             return Cached(prompt.tokens, self.held(prompt, now))
         settled = now - conversation.moved_at < self.config.settle_seconds
-        return Cached(prompt.tokens, self.held(prompt, now), conversation.pool, settled, conversation.backend)
+        # Without a session, where the text went is what `held` knows: a prompt shorter than a
+        # block is no reason to keep to one backend.
+        last = conversation.backend if prompt.named else None
+        return Cached(prompt.tokens, self.held(prompt, now), conversation.pool, settled, last)
 
     def placed(self, prompt: Prompt, *, backend: str, pool: str, now: float) -> None:
         """The prompt went to `backend`: its blocks are cached there from now on."""

@@ -63,6 +63,17 @@ def test_the_session_header_names_the_conversation_per_client_and_model() -> Non
     assert _prompt(index, "first", headers=headers, model="m2").key != one.key
 
 
+def test_only_a_session_keeps_a_short_prompt_to_its_last_backend() -> None:
+    index = ConversationIndex()
+    session = {"x-session-id": "s1"}
+    named, bare = _prompt(index, "hi", headers=session), _prompt(index, "hi")
+    for prompt in (named, bare):
+        index.placed(prompt, backend="fast-1", pool="fast", now=0.0)
+    assert index.cached(named, 1.0).last == "fast-1"
+    # The same short text without a session holds no block anywhere: no reason to keep to fast-1.
+    assert index.cached(bare, 1.0).last is None and index.cached(bare, 1.0).held == {}
+
+
 def test_a_move_between_pools_is_remembered_and_settles() -> None:
     index = ConversationIndex(Conversations(settle_seconds=60))
     prompt = _prompt(index, HISTORY)
