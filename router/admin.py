@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from router.backends.pools import Backend
+from router.backends.backend import Backend
 from router.errors import BadRequest
 from router.request.headers import bearer
 from router.request.payload import parse_json

@@ -11,7 +11,8 @@ import asyncio
 import json
 from typing import Any
 
-from router.backends.pools import Backend, Pools
+from router.backends.backend import Backend
+from router.backends.pools import Pools
 from router.clock import Clock
 from router.transport import Transport, TransportError
 

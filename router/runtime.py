@@ -21,10 +21,11 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry
 from yarl import URL
 
+from router.backends.backend import Backend
 from router.backends.discovery import Discovery, Resolver, SystemResolver
 from router.backends.health import HealthChecker
 from router.backends.outlier import state_log
-from router.backends.pools import Backend, Pools
+from router.backends.pools import Pools
 from router.backends.scrape import EngineScraper
 from router.catalog import ModelCatalog
 from router.clock import Clock, MonotonicClock

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.backends.pools import Backend, Pool, Pools
+from router.backends.backend import Backend
+from router.backends.pools import Pool, Pools
 from router.content import CONTENT_KINDS
 from router.logs import client_hash
 from router.quantiles import percentile

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
 
+from router.backends.backend import Address, Backend
 from router.backends.health import HealthChecker
-from router.backends.pools import Address, Backend, Pools
+from router.backends.pools import Pools
 from router.config import Backend as BackendConfig
 from router.config import Discovery as DiscoveryConfig
 from router.config import Health

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from router.backends.pools import Backend, Pools
+from router.backends.backend import Backend
+from router.backends.pools import Pools
 from router.clock import Clock
 from router.config import Health
 from router.transport import TlsError, Transport, TransportError

@@ -15,8 +15,8 @@ import dns.nameserver
 import dns.rdatatype
 import dns.resolver
 
+from router.backends.backend import Address
 from router.backends.discovery import ResolveError
-from router.backends.pools import Address
 
 
 class DnsResolver:

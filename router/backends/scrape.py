@@ -13,8 +13,9 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.backends.backend import Backend
 from router.backends.engines import EngineLoad
-from router.backends.pools import Backend, Pools
+from router.backends.pools import Pools
 from router.clock import Clock
 from router.config import Scrape
 from router.transport import Transport, TransportError

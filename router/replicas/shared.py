@@ -24,8 +24,9 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
+from router.backends.backend import Backend
 from router.backends.engines import ALONE, Elsewhere
-from router.backends.pools import Backend, Pools
+from router.backends.pools import Pools
 from router.clock import Clock
 from router.config import State
 from router.metrics import Metrics

@@ -20,7 +20,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from router.backends.pools import Backend, Pool, Pools
+from router.backends.backend import Backend
+from router.backends.pools import Pool, Pools
 from router.clock import Clock
 from router.errors import NoBackendAvailable, RouterError, UpstreamError, UpstreamTimeout
 from router.replicas.shared import Replicas

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from router import logs
-from router.backends.pools import Backend
+from router.backends.backend import Backend
 from router.metrics import Children, Metrics
 from router.record import Served, conversation_hash
 from router.request.incoming import Arrival

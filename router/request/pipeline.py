@@ -23,7 +23,8 @@ from dataclasses import replace
 
 from starlette.types import Message, Receive, Scope, Send
 
-from router.backends.pools import Backend, Pools
+from router.backends.backend import Backend
+from router.backends.pools import Pools
 from router.clock import Clock
 from router.content import prompt_tokens, request_tokens
 from router.errors import RouterError, ShuttingDown

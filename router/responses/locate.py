@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from router.backends.pools import Backend
+from router.backends.backend import Backend
 from router.config import Responses
 from router.transport import HeadLimits, Timeouts, Transport, TransportError
 

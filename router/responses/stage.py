@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from router.backends.pools import Backend, Pools
+from router.backends.backend import Backend
+from router.backends.pools import Pools
 from router.clock import Clock
 from router.request.decide import Routed
 from router.request.forward import Answer

@@ -6,7 +6,8 @@ settings (router.plan). It reads the pools but changes nothing.
 
 from __future__ import annotations
 
-from router.backends.pools import Backend, Pool, Pools
+from router.backends.backend import Backend
+from router.backends.pools import Pool, Pools
 from router.routing.conversations import Cached
 from router.routing.learn import Predictions, SpeedModel
 from router.routing.policy import PoolState

@@ -18,8 +18,8 @@ from openai import OpenAI
 from prometheus_client import CollectorRegistry, Counter
 
 from router.app import create_app
+from router.backends.backend import Address, Backend
 from router.backends.discovery import SystemResolver, screen
-from router.backends.pools import Address, Backend
 from router.config import Settings
 from router.metrics import Children
 from router.runtime import Router

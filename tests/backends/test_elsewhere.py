@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from router.backends.backend import Backend
 from router.backends.engines import Elsewhere, EngineLoad
-from router.backends.pools import Backend
 from router.config import Backend as BackendConfig
 
 NOW = 100.0

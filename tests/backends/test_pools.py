@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
+from router.backends.backend import Backend
 from router.backends.engines import EngineLoad
-from router.backends.pools import Backend, Pool, Pools
+from router.backends.pools import Pool, Pools
 from router.config import Backend as BackendConfig
 from router.config import Settings
 from router.errors import NoBackendAvailable
