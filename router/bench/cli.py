@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -185,34 +184,6 @@ def _write_mixed(results: dict[str, MixedResult], args: argparse.Namespace, targ
     report.plot_mixed(results, out / "mixed.png", f"{args.interactive} interactive users + {args.batch} batch")
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    claim: str
-    value: str
-    ok: bool
-
-
-def mixed_verdicts(results: dict[str, MixedResult]) -> list[Verdict]:
-    """The issue's targets for the routed layout, each against its baseline."""
-    routed = results.get("routed")
-    if routed is None:
-        return []
-    verdicts = []
-    alone = results.get("fast-alone")
-    if alone and alone.interactive.per_user_tps and routed.interactive.per_user_tps:
-        share = routed.interactive.per_user_tps / alone.interactive.per_user_tps
-        verdicts.append(
-            Verdict("interactive per-user speed ≥ 95 % of the speculative engine alone", f"{share:.1%}", share >= 0.95)
-        )
-    alone = results.get("team-alone")
-    if alone and alone.batch.total_tps:
-        share = routed.batch.total_tps / alone.batch.total_tps
-        verdicts.append(Verdict("batch throughput ≥ 95 % of one standard engine alone", f"{share:.1%}", share >= 0.95))
-    worst = max(routed.interactive.ttft_worst or 0.0, routed.batch.ttft_worst or 0.0)
-    verdicts.append(Verdict("no first token waits more than 3 s", f"worst {worst:.2f} s", worst <= 3.0))
-    return verdicts
-
-
 def _compare(args: argparse.Namespace, out: Path) -> int:
     model = load_profile("fast").model
     target_meta = Target(base_url="(simulated layouts)", model=model, time_scale=args.time_scale)
@@ -252,15 +223,12 @@ def _compare(args: argparse.Namespace, out: Path) -> int:
         scenario = _mixed_scenario(args, interactive=interactive, batch=batch)
         results[name] = run_on_layout(name, scenario, model=model, time_scale=args.time_scale)
     _write_mixed(results, args, target_meta, out)
-    verdicts = mixed_verdicts(results)
-    lines = ["| target (routed layout) | measured | met |", "|---|---:|:-:|"]
-    lines += [f"| {v.claim} | {v.value} | {'yes' if v.ok else 'NO'} |" for v in verdicts]
     markdown = (
         f"## compare: {args.interactive} interactive users + a {args.batch}-request batch job, "
         f"{args.max_tokens}-token answers, {args.duration:g} s\n\n"
         + report.mixed_table(results)
         + "\n\n"
-        + "\n".join(lines)
+        + report.verdicts_table(results)
     )
     return _finish(out, markdown)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,40 @@ def mixed_table(results: Mapping[str, MixedResult]) -> str:
                 f"| {name} | {label} | {s.requests} | {_f(s.per_user_tps)} | {_f(s.total_tps)} "
                 f"| {_f(s.ttft_p50, 2)} s | {_f(s.ttft_p99, 2)} s | {_f(s.ttft_worst, 2)} s | {s.errors} |"
             )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    claim: str
+    value: str
+    ok: bool
+
+
+def mixed_verdicts(results: Mapping[str, MixedResult]) -> list[Verdict]:
+    """The issue's targets for the routed layout, each against its baseline."""
+    routed = results.get("routed")
+    if routed is None:
+        return []
+    verdicts = []
+    alone = results.get("fast-alone")
+    if alone and alone.interactive.per_user_tps and routed.interactive.per_user_tps:
+        share = routed.interactive.per_user_tps / alone.interactive.per_user_tps
+        verdicts.append(
+            Verdict("interactive per-user speed ≥ 95 % of the speculative engine alone", f"{share:.1%}", share >= 0.95)
+        )
+    alone = results.get("team-alone")
+    if alone and alone.batch.total_tps:
+        share = routed.batch.total_tps / alone.batch.total_tps
+        verdicts.append(Verdict("batch throughput ≥ 95 % of one standard engine alone", f"{share:.1%}", share >= 0.95))
+    worst = max(routed.interactive.ttft_worst or 0.0, routed.batch.ttft_worst or 0.0)
+    verdicts.append(Verdict("no first token waits more than 3 s", f"worst {worst:.2f} s", worst <= 3.0))
+    return verdicts
+
+
+def verdicts_table(results: Mapping[str, MixedResult]) -> str:
+    lines = ["| target (routed layout) | measured | met |", "|---|---:|:-:|"]
+    lines += [f"| {v.claim} | {v.value} | {'yes' if v.ok else 'NO'} |" for v in mixed_verdicts(results)]
     return "\n".join(lines)
 
 

@@ -1,12 +1,13 @@
 """The request path, top to bottom: one request through the stages, each handing on a frozen value.
 
-    ingress  (router.ingress)   who, may they, the body            -> Incoming
-    decide   (router.decide)    classification, content, snapshot  -> Routed: where and why
-    owners   (router.owners)    a stored response it names, if any -> Routed pinned to its backend
-    forward  (router.forward)   the attempt loop, slots, retries   -> Answer | Failure
-    relay    (router.relay)     whole or as a stream               -> Outcome
-             (router.owners)    a stored response made or deleted: noted
-    observe  (router.observe)   metrics, learning, the access log  <- Finished
+    ingress  (request.ingress)    who, may they, the body            -> Incoming
+    decide   (request.decide)     classification, content, snapshot  -> Routed: where and why
+             (request.place)      its conversation's cached prefix   -> Routed with a backend to prefer
+    owners   (responses.stage)    a stored response it names, if any -> Routed pinned to its backend
+    forward  (request.forward)    the attempt loop, slots, retries   -> Answer | Failure
+    relay    (request.relay)      whole or as a stream               -> Outcome
+             (responses.stage)    a stored response made or deleted: noted
+    observe  (request.observe)    metrics, learning, the access log  <- Finished
 
 The request takes the settings once, as the `Plan` of the moment, and keeps it to its end.
 It is a plain ASGI app rather than a Starlette endpoint so that the bytes of a stream go from
@@ -18,12 +19,10 @@ upstream request).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from dataclasses import replace
 
 from starlette.types import Message, Receive, Scope, Send
 
-from router.backends.backend import Backend
 from router.backends.pools import Pools
 from router.clock import Clock
 from router.content import prompt_tokens, request_tokens
@@ -36,14 +35,15 @@ from router.request.forward import Answer, Attempts, Forwarder
 from router.request.incoming import Arrival, Incoming
 from router.request.observe import Finished, Observer
 from router.request.payload import ClientGone
+from router.request.place import Placement, conversation, with_conversation
 from router.request.plan import Plan
 from router.request.relay import Outcome, Progress, relay_stream, relay_whole
 from router.responses.stage import StoredResponses
 from router.routing.clients import Clients
-from router.routing.conversations import Cached, ConversationIndex, Prompt
+from router.routing.conversations import ConversationIndex
 from router.routing.learn import SpeedModel
 from router.routing.limits import Admitted, Limiter
-from router.routing.policy import Decision, PoolState
+from router.routing.policy import Decision
 from router.routing.snapshot import snapshot
 from router.tracing import RequestSpan, Tracer
 from router.transport import TransportError
@@ -71,7 +71,7 @@ class Pipeline:
     ) -> None:
         """`tracer`: a span per request (router.tracing), or None: tracing off."""
         self._pools = pools
-        self._conversations = conversations
+        self._placement = Placement(conversations, pools, observer, clock)
         self._clients = clients
         self._replicas = replicas
         self._speeds = speeds
@@ -114,10 +114,7 @@ class Pipeline:
                 if await self._clients.settle(incoming.client, new=new_client):
                     await self._replicas.arrived(incoming.client, again=True)  # the burst as it is now
                 now = self._clock.now()
-                prompt = None  # its conversation, where one is to be placed
-                if plan.conversations.enabled and incoming.arrival.method == "POST":
-                    prompt = self._conversations.prompt(incoming.payload, incoming.headers, client=incoming.client)
-                cached = self._conversations.cached(prompt, now) if prompt is not None else None
+                prompt, cached = self._placement.look_up(incoming, plan, now)  # its conversation, if placed
                 pools = snapshot(
                     self._pools,
                     self._speeds,
@@ -140,7 +137,7 @@ class Pipeline:
                     ttft=plan.ttft,
                 )
                 if prompt is not None and cached is not None:
-                    routed = _with_conversation(routed, pools, prompt, cached)
+                    routed = with_conversation(routed, pools, prompt, cached)
                 routed = await self._owners.route(incoming, routed, plan)  # a stored response: to its backend
                 if request.span is not None:  # the engine's spans join the request's trace
                     routed = replace(routed, trace=tuple(request.span.upstream_headers()))
@@ -227,7 +224,7 @@ class Pipeline:
             request.noted(result.attempts)
             raise result.error
         if routed.prompt is not None:
-            self._placed(routed, result.backend)
+            self._placement.placed(routed, result.backend)
         try:
             headers = _route_headers(incoming.arrival, request)
             if result.content is not None:
@@ -274,18 +271,6 @@ class Pipeline:
             broken=broken,
         )
 
-    def _placed(self, routed: Routed, backend: Backend) -> None:
-        """Note where the conversation went, and whether that is where its prefix was."""
-        assert routed.prompt is not None
-        in_pool = {b.name: routed.held.get(b.name, 0) for b in self._pools[backend.pool].backends}
-        holder = max(in_pool, key=lambda name: in_pool[name], default=None)
-        if holder is None or not in_pool[holder]:
-            placed = "new"
-        else:
-            placed = "prefix" if in_pool.get(backend.name, 0) >= in_pool[holder] else "elsewhere"
-        self._observer.placed(backend.pool, placed)
-        self._conversations.placed(routed.prompt, backend=backend.name, pool=backend.pool, now=self._clock.now())
-
     def end_all(self) -> None:
         """End every request being served: at the end of a shutdown's grace period."""
         for serving in self._serving:
@@ -322,20 +307,10 @@ class Pipeline:
             tokens=outcome.tokens if outcome is not None else None,
             prompt_tokens=outcome.prompt_tokens if outcome is not None else None,
             accept_length=backend.engine.accept_length(now, plan.acceptance_max_age) if backend is not None else None,
-            conversation=_conversation(incoming, plan.conversations.session_header) if incoming is not None else None,
+            conversation=conversation(incoming, plan.conversations.session_header) if incoming is not None else None,
             declared=incoming is not None and plan.job_header in incoming.arrival.headers,
             streamed=incoming.stream if incoming is not None else False,
         )
-
-
-def _conversation(incoming: Incoming, session_header: str) -> str | None:
-    """Which conversation a request belongs to, where the client says: its session header (the
-    client's own, as router.routing.conversations scopes it), or the stored response it continues."""
-    session = incoming.arrival.headers.get(session_header.lower())
-    if session:
-        return f"session:{incoming.client} {session[:256]}"
-    previous = incoming.field("previous_response_id", str)
-    return f"response:{previous[:256]}" if previous else None
 
 
 class _Serving:
@@ -362,13 +337,6 @@ class _Serving:
         if not self.cancelled:
             self.cancelled = True
             self.task.cancel()
-
-
-def _with_conversation(routed: Routed, pools: Mapping[str, PoolState], prompt: Prompt, cached: Cached) -> Routed:
-    """The decision with its conversation: the backend to prefer in its pool."""
-    state = pools.get(routed.decision.pool)
-    prefer = state.prefer if state is not None else None
-    return replace(routed, prefer=prefer, prompt=prompt, held=cached.held)
 
 
 async def _disconnected(receive: Receive) -> None:
