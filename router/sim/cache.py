@@ -1,10 +1,12 @@
-"""The simulated engine's prefix cache: vLLM's automatic prefix caching, in blocks of prompt tokens.
+"""The simulated engine's prefix cache: vLLM's automatic prefix caching, in blocks of tokens.
 
-A prompt's tokens are cut into blocks of `block_size`; each full block is named by a hash of its
+A request's tokens are cut into blocks of `block_size`; each full block is named by a hash of its
 tokens chained to the hash of the block before it (vLLM's block hash), so a block matches only
-where the whole prefix up to it matches. Blocks that running requests use are held; the others
-stay cached in the KV cache's free space and are evicted least recently used first, the last
-block of a freed request before its first (the order of vLLM's free block queue).
+where the whole prefix up to it matches. As in vLLM, the blocks of the answer are cached too, as
+they fill: the next turn of a conversation sends that answer back in its prompt. Blocks that
+running requests use are held; the others stay cached in the KV cache's free space and are
+evicted least recently used first, the last block of a freed request before its first (the
+order of vLLM's free block queue).
 """
 
 from __future__ import annotations
@@ -41,16 +43,26 @@ def chat_tokens(messages: Sequence[object]) -> list[str]:
     return [*out, "<|start|>", "assistant", "<|sep|>"]
 
 
+def block_hash(parent: bytes, tokens: Sequence[str]) -> bytes:
+    """One block's hash, chained to its parent's (b"" for the first block)."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update("\x1f".join(tokens).encode())
+    return digest.digest()
+
+
 def block_hashes(tokens: Sequence[str], block_size: int) -> tuple[bytes, ...]:
     """The chained hashes of the prompt's full blocks (a partial last block is not cached)."""
     hashes: list[bytes] = []
     parent = b""
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        digest = hashlib.blake2b(parent, digest_size=16)
-        digest.update("\x1f".join(tokens[start : start + block_size]).encode())
-        parent = digest.digest()
+        parent = block_hash(parent, tokens[start : start + block_size])
         hashes.append(parent)
     return tuple(hashes)
+
+
+def tail(tokens: Sequence[str], block_size: int) -> tuple[str, ...]:
+    """The tokens after the prompt's last full block: the answer's first block starts with them."""
+    return tuple(tokens[len(tokens) - len(tokens) % block_size :])
 
 
 class PrefixCache:

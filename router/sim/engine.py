@@ -12,19 +12,22 @@ Each step, in the order vLLM's scheduler works:
    chunks.
 3. The step lasts as long as the profile's cost model says for that work.
 4. Decoding sequences gain their tokens (with speculation: the accepted guesses plus one); a
-   sequence whose prefill completed gains its first token. Finished sequences free their KV.
+   sequence whose prefill completed gains its first token. Each full block of a prompt and its
+   answer is cached once computed (all but the newest token). Finished sequences free their KV.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import zlib
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from router.content import ContentKind
-from router.sim.cache import PrefixCache
+from router.sim.cache import PrefixCache, block_hash, text_tokens
 from router.sim.profile import Profile
 
 
@@ -36,7 +39,8 @@ class SimRequest:
     target_tokens: int  # where it stops: max_tokens, or earlier at its natural end
     kind: ContentKind
     arrival: float = 0.0
-    blocks: tuple[bytes, ...] = ()  # the prompt's full blocks, hashed
+    blocks: tuple[bytes, ...] = ()  # the prompt's full blocks, hashed, then the answer's
+    tail: list[str] | None = None  # tokens after the last full block (None: unknown, answer not cached)
     cached: int = 0  # prompt tokens found in the prefix cache at admission
     held: int = 0  # leading blocks this request holds in the cache
     prefilled: int = 0
@@ -46,6 +50,9 @@ class SimRequest:
     finished_at: float | None = None
     aborted: bool = False
     rng: random.Random = field(default_factory=random.Random, repr=False)
+    text: Iterator[str] | None = field(default=None, repr=False)  # the answer's pieces, one a token
+    said: list[str] = field(default_factory=list, repr=False)  # the pieces generated so far
+    hashed: int = 0  # pieces of `said` counted into `tail` or a block
 
     @property
     def reservation(self) -> int:
@@ -103,12 +110,14 @@ class Engine:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         blocks: tuple[bytes, ...] = (),
+        tail: Sequence[str] | None = None,
     ) -> SimRequest:
         limit = max(1, min(max_tokens or self.profile.default_max_tokens, self.profile.max_model_len - prompt_tokens))
         rng = random.Random(zlib.crc32(f"{self.seed}:{request_id}".encode()))
         natural = rng.randint(96, 768)  # where a greedy answer would end by itself
         target = limit if ignore_eos else max(min(natural, limit), min(min_tokens, limit))
         request = SimRequest(request_id, prompt_tokens, limit, target, kind, arrival=self.now, blocks=blocks, rng=rng)
+        request.tail = None if tail is None else list(tail)
         self.waiting.append(request)
         return request
 
@@ -208,6 +217,22 @@ class Engine:
         if self.cache is not None:
             self.cache.release(request.blocks[: request.held])
 
+    def _cache_answer(self, request: SimRequest) -> None:
+        """Hold the answer's blocks as they fill, as vLLM caches every full block of a request's
+        computed tokens: all but the newest, which the next step would compute."""
+        assert self.cache is not None and request.tail is not None
+        computed = len(request.said) - 1
+        for piece in request.said[request.hashed : computed]:
+            request.tail += text_tokens(piece)  # the tokens of the text the next turn sends back
+        request.hashed = max(request.hashed, computed)
+        size = self.cache.block_size
+        while len(request.tail) >= size:
+            block = block_hash(request.blocks[-1] if request.blocks else b"", request.tail[:size])
+            del request.tail[:size]
+            request.blocks += (block,)
+            request.held += 1
+            self.cache.hold((block,))
+
     def _reservation(self, request: SimRequest) -> int:
         return request.reservation + self.profile.kv_overhead_tokens
 
@@ -249,6 +274,10 @@ class Engine:
         gained = min(gained, request.target_tokens - request.generated)
         request.generated += gained
         self.counters.generation_tokens += gained
+        if request.text is not None:
+            request.said += itertools.islice(request.text, gained)
+            if self.cache is not None and request.tail is not None:
+                self._cache_answer(request)
         finished = request.generated >= request.target_tokens
         if finished:
             request.finished_at = self.now

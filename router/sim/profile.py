@@ -58,7 +58,9 @@ class Profile(_Data):
     default_max_tokens: int = Field(default=2048, ge=1)
     max_model_len: int = Field(default=131072, ge=1)
     block_size: int = Field(default=16, ge=1, le=4096, description="tokens per KV block, the prefix cache's unit")
-    prefix_caching: bool = Field(default=True, description="keep prompt blocks cached in free KV space, as vLLM's APC")
+    prefix_caching: bool = Field(
+        default=True, description="keep prompt and answer blocks cached in free KV space, as vLLM's APC"
+    )
     embedding_size: int = Field(default=1024, ge=1, le=65536, description="length of `/v1/embeddings` vectors")
     step: StepCost
     speculation: Speculation | None = None

@@ -61,6 +61,7 @@ class Params:
     chat: bool
     prompts: tuple[int, ...]  # the prompt tokens of each prompt (completions take several)
     blocks: tuple[tuple[bytes, ...], ...]  # each prompt's full blocks, hashed (router.sim.cache)
+    tails: tuple[tuple[str, ...] | None, ...]  # each prompt's tokens after its last full block
     kind: ContentKind
     n: int
     max_tokens: int | None
@@ -114,6 +115,7 @@ def parse(raw: bytes, profile: Profile, *, chat: bool) -> Params:
     prompts = tuple(len(t) for t in tokens)
     size = profile.block_size
     blocks = tuple(cache.block_hashes(t, size) if profile.prefix_caching else () for t in tokens)
+    tails = tuple(cache.tail(t, size) if profile.prefix_caching else None for t in tokens)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise EngineError("max_tokens must be at least 1.", param="max_tokens")
@@ -144,6 +146,7 @@ def parse(raw: bytes, profile: Profile, *, chat: bool) -> Params:
         chat=chat,
         prompts=prompts,
         blocks=blocks,
+        tails=tails,
         kind=detect_kind(text),
         n=n,
         max_tokens=max_tokens,

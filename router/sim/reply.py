@@ -9,7 +9,6 @@ with its `finish_reason`; the usage chunk when `stream_options.include_usage` is
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import random
 import time
@@ -39,7 +38,6 @@ _EMPTY_FIELDS: dict[tuple[str, bool], tuple[str, ...]] = {
 class _Plan:
     """What one choice says: free text (`fixed` None, the engine model ends it) or a fixed text."""
 
-    source: Iterator[str]
     fixed: int | None  # tokens of a fixed answer: JSON, or a tool call's name and arguments
     tool: ToolCall | None
 
@@ -52,11 +50,14 @@ class _Choice:
         self.logprobs = logprobs
         self.text_offset = 0  # completions' logprobs count characters across chunks
         self.delivered = 0  # tokens sent so far (the engine may be ahead)
+        self.read = 0  # pieces of the engine's answer taken so far
         self.started = False
         self.header_sent = False  # a tool call's id and name go out with its first token
 
     def take(self, count: int) -> list[str]:
-        return list(itertools.islice(self.plan.source, count))
+        taken = self.generation.request.said[self.read : self.read + count]
+        self.read += len(taken)
+        return taken
 
     def finish_reason(self) -> str:
         request = self.generation.request
@@ -119,13 +120,16 @@ class Reply:
                 index=index,
                 updates=updates,
                 blocks=params.blocks[index // params.n],
+                tail=params.tails[index // params.n],
             )
             if source is None:
                 source = text_tokens(params.kind, random.Random(f"{seed}:{generation.request.id}"))
+            # The engine draws the answer's pieces as it generates them: it caches their blocks.
+            generation.request.text = source
             logprobs = None
             if params.logprobs is not None:
                 logprobs = Logprobs(random.Random(f"{seed}:{generation.request.id}:logprobs"), params.logprobs)
-            choices.append(_Choice(index, generation, _Plan(source, fixed, tool), logprobs))
+            choices.append(_Choice(index, generation, _Plan(fixed, tool), logprobs))
         return cls(
             params,
             choices,

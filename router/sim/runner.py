@@ -61,6 +61,7 @@ class EngineRunner:
         index: int = 0,
         updates: asyncio.Queue[Update] | None = None,
         blocks: tuple[bytes, ...] = (),
+        tail: tuple[str, ...] | None = None,
     ) -> Generation:
         if not self.engine.busy:
             # An idle engine's clock catches up with the wall clock before the request arrives.
@@ -73,6 +74,7 @@ class EngineRunner:
             ignore_eos=ignore_eos,
             min_tokens=min_tokens,
             blocks=blocks,
+            tail=tail,
         )
         generation = Generation(request, index, asyncio.Queue() if updates is None else updates)
         self._generations[request] = generation

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from router.prompts import chat_prompt_tokens, count_tokens
-from router.sim.cache import PrefixCache, block_hashes, chat_tokens, text_tokens
+from router.sim.cache import PrefixCache, block_hashes, chat_tokens, tail, text_tokens
 from router.sim.engine import Engine, SimRequest
 from router.sim.profile import Profile, load_profile
 
@@ -98,6 +98,59 @@ def test_a_second_turn_prefills_only_what_the_cache_lacks(team: Profile) -> None
     assert engine.counters.prefix_hits == second.cached
     assert engine.counters.prompt_tokens == len(history) + len(turn)  # vLLM counts cached tokens too
     assert warm < cold / 5, (cold, warm)
+
+
+def _turn(engine: Engine, name: str, prompt: list[str], answer: list[str]) -> SimRequest:
+    """A request whose prompt is `prompt` and whose answer, one piece a token, is `answer`."""
+    size = engine.profile.block_size
+    request = engine.add(name, prompt_tokens=len(prompt), max_tokens=len(answer), kind="prose", ignore_eos=True,
+                         blocks=block_hashes(prompt, size), tail=tail(prompt, size))  # fmt: skip
+    request.text = iter(answer)
+    return request
+
+
+# An answer as the engine streams it: pieces, each one token; sent back, the text is tokenized.
+ANSWER = [" herons", " wade.", "\n\n", "Patient", " herons"] * 20  # 100 pieces: 100 tokens of text
+
+
+def _next_turn(prompt: list[str], answer: list[str]) -> list[str]:
+    return [*prompt, *text_tokens("".join(answer)), *_tokens(40, "next")]
+
+
+def test_the_answer_s_blocks_are_cached_for_the_next_turn(team: Profile) -> None:
+    engine = Engine(team)
+    prompt = _tokens(1_000)
+    first = _turn(engine, "t1", prompt, ANSWER)
+    _finish(engine)
+    assert first.said == ANSWER
+    # The next turn sends the answer back: its blocks hit, all but the one holding the answer's
+    # last token (never computed: the request ended when it was sampled) and what follows.
+    second = _turn(engine, "t2", _next_turn(prompt, ANSWER), ["."])
+    _run(engine, second)
+    assert second.cached == (1_000 + 100 - 1) // 16 * 16 == 1_088
+    assert engine.counters.prefix_hits == second.cached
+
+
+def test_an_answer_s_tail_block_is_evicted_before_its_prompt(team: Profile) -> None:
+    engine = Engine(team)
+    prompt = _tokens(1_000)
+    _turn(engine, "t1", prompt, ANSWER)
+    _finish(engine)
+    assert engine.cache is not None
+    engine.cache.fit(engine.cache.free_tokens - 16)  # one block goes: the answer's last
+    second = _turn(engine, "t2", _next_turn(prompt, ANSWER), ["."])
+    _run(engine, second)
+    assert second.cached == 1_088 - 16
+
+
+def test_an_answer_that_is_not_sent_back_is_not_a_hit(team: Profile) -> None:
+    engine = Engine(team)
+    prompt = _tokens(1_000)
+    _turn(engine, "t1", prompt, ANSWER)
+    _finish(engine)
+    second = _turn(engine, "t2", _next_turn(prompt, [" other"] * 100), ["."])
+    _run(engine, second)
+    assert second.cached == 992  # the prompt's whole blocks only
 
 
 def test_kv_pressure_evicts_the_cache(fast: Profile) -> None:

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from router.sim.cache import text_tokens
 from router.sim.profile import load_profile
 from router.sim.server import create_sim_app
 from tests.servers import ServerThread
@@ -191,6 +192,26 @@ def test_prefix_cache_metrics_count_a_conversation_s_second_turn() -> None:
     real, simulated = _types(REAL_SAMPLE.read_text()), _types(text)
     for name in PREFIX_METRICS:
         assert simulated[name] == real[name] == "counter", name
+
+
+def test_a_turn_that_sends_the_answer_back_finds_the_answer_cached() -> None:
+    history: list[Any] = [{"role": "user", "content": " ".join(f"word{i}" for i in range(3_000))}]
+    with ServerThread(create_sim_app(load_profile("team"), time_scale=50, prompt_tokens_details=True)) as server:
+        client = _client(server)
+        chunks = client.chat.completions.create(
+            model=MODEL, messages=history, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        )
+        answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        turn = [*history, {"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+        usage = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=4).usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached is not None
+    # The first turn's prompt and answer, in whole blocks, but for the answer's last token
+    # (a word, or a word and its stop: at most three tokens), which was never computed.
+    prompt, answered = 3_000 + 7, len(text_tokens(answer))
+    assert answered >= 200
+    assert (prompt + answered - 3) // 16 * 16 <= cached <= (prompt + answered - 1) // 16 * 16
 
 
 def test_burst_of_40_queues_on_the_fast_engine_and_disconnects_free_it() -> None:
