@@ -2,7 +2,7 @@
 
 Each user holds one conversation, as a coding agent does: its first message carries a context
 of `context_words` words (files, a long document), and every later turn sends the whole history
-again (its earlier messages, and an answer of the length it got for each) with a new message of
+again (its earlier messages and the answers it got, as they were streamed) with a new message of
 `turn_words` words, so the prompt grows to tens of thousands of tokens.
 Beside them a batch client (`X-Job-Type: batch`) keeps `batch` requests in flight for
 `batch_on` seconds, stops for `batch_off`, and so on, so the standard pool is loaded, then idle,
@@ -14,8 +14,10 @@ simulated, started clean): `adaptive` with conversations priced (the default), `
 in turn with `X-Route-Pool`, what a load balancer unaware of both pools and caches does).
 Reported per setting: the first token of first turns and of later turns (p50, p95, worst), the
 later turns' p95 over the first turns', the share of later turns' prompt tokens the engine found
-cached (its usage's `prompt_tokens_details.cached_tokens`), how often consecutive turns of one
-conversation changed pools, and the batch job's throughput. Figures in the target's real time.
+cached (its usage's `prompt_tokens_details.cached_tokens`), the longest prompt, the turns the
+router sent off the speculative pool (`X-Route-Reason` `spill:…` or `conversation:moved`), how
+often consecutive turns of one conversation changed pools and how often one went out and came
+straight back, and the batch job's throughput. Figures in the target's real time.
 """
 
 from __future__ import annotations
@@ -96,21 +98,33 @@ class ConversationsResult:
             "later_over_first_p95": ratio,
             "later_cached_share": cached / prompt if prompt else None,
             "longest_prompt": max((r.prompt_tokens for r in later), default=0),
+            "spills": sum(1 for t in self.turns if _spilled(t.record.reason)),
             "switches": self.switches(),
+            "returns": self.returns(),
             "batch_tokens_per_second": batch_tokens / self.batch_seconds if self.batch_seconds else 0.0,
             "batch_errors": sum(1 for r in self.batch if not r.ok),
         }
 
     def switches(self) -> int:
         """Consecutive turns of one conversation on different pools."""
+        return sum(1 for pools in self._pools() for a, b in itertools.pairwise(pools) if a and b and a != b)
+
+    def returns(self) -> int:
+        """A conversation's turn on another pool than the turns either side of it: out and back."""
         count = 0
+        for pools in self._pools():
+            count += sum(1 for a, b, c in zip(pools, pools[1:], pools[2:], strict=False) if a and b and a == c != b)
+        return count
+
+    def _pools(self) -> list[list[str | None]]:
         by_user: dict[int, list[Turn]] = {}
         for turn in self.turns:
             by_user.setdefault(turn.user, []).append(turn)
-        for turns in by_user.values():
-            pools = [t.record.pool for t in sorted(turns, key=lambda t: t.turn)]
-            count += sum(1 for a, b in itertools.pairwise(pools) if a and b and a != b)
-        return count
+        return [[t.record.pool for t in sorted(turns, key=lambda t: t.turn)] for turns in by_user.values()]
+
+
+def _spilled(reason: str | None) -> bool:
+    return reason is not None and (reason.startswith("spill:") or reason == "conversation:moved")
 
 
 def _words(rng: random.Random, count: int) -> str:
@@ -133,19 +147,23 @@ async def conversations(
 
     async def user(number: int) -> None:
         rng = random.Random(number)
+        context = f"User {number}'s context: {_words(rng, options.context_words)}\n\n"
         messages: list[dict[str, str]] = []
         await asyncio.sleep(number * options.think / max(1, options.users) / target.time_scale)  # apart
         for turn in range(options.turns):
-            messages.append(
-                {"role": "user", "content": f"User {number}, turn {turn}: {_words(rng, options.turn_words)}"}
-            )
+            said = f"User {number}, turn {turn}: {_words(rng, options.turn_words)}"
+            messages.append({"role": "user", "content": context + said if turn == 0 else said})
             job = Job(
-                max_tokens=options.answer_tokens, label="conversation", headers=pinned(), messages=tuple(messages)
+                max_tokens=options.answer_tokens,
+                label="conversation",
+                headers=pinned(),
+                messages=tuple(messages),
+                keep_text=True,
             )
             record = await load.request(job)
             result.turns.append(Turn(number, turn, record))
-            # The answer goes back into the history, as long as it was (the text itself is not kept).
-            messages.append({"role": "assistant", "content": _words(rng, max(1, record.tokens))})
+            # The answer goes back into the history as it was streamed, as a chat client sends it.
+            messages.append({"role": "assistant", "content": record.text or ""})
             if progress is not None:
                 progress(len(result.turns) / (options.users * options.turns))
             await asyncio.sleep(options.think / target.time_scale)
@@ -193,8 +211,9 @@ def markdown(results: dict[str, ConversationsResult], options: Options, *, ttft_
 
     lines = [
         "| routing | first turn p50 / p95 / worst (s) | later turns p50 / p95 / worst (s) | later p95 ÷ first p95 "
-        "| later turns' prompt tokens cached | pool switches | batch tok/s | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| later turns' prompt tokens cached | longest prompt (tokens) | turns spilled | pool switches "
+        "(out and back) | batch tok/s | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     summaries = {mode: result.summary() for mode, result in results.items()}
     for mode, s in summaries.items():
@@ -203,7 +222,8 @@ def markdown(results: dict[str, ConversationsResult], options: Options, *, ttft_
         lines.append(
             f"| {mode} | {seconds(first['p50'])} / {seconds(first['p95'])} / {seconds(first['worst'])} "
             f"| {seconds(later['p50'])} / {seconds(later['p95'])} / {seconds(later['worst'])} | {ratio} "
-            f"| {share(s['later_cached_share'])} | {s['switches']} | {s['batch_tokens_per_second']:.0f} "
+            f"| {share(s['later_cached_share'])} | {s['longest_prompt']:,} | {s['spills']} "
+            f"| {s['switches']} ({s['returns']}) | {s['batch_tokens_per_second']:.0f} "
             f"| {s['errors']} + {s['batch_errors']} batch |"
         )
     priced, unpriced = summaries.get("adaptive"), summaries.get("adaptive-unpriced")

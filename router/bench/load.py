@@ -45,6 +45,7 @@ class Job:
     label: str = "all"
     messages: tuple[dict[str, str], ...] = ()  # the chat to send; empty: one of the shipped prompts
     prompt_tokens: int | None = None  # a shipped prompt about this long; None: the set's texts as they are
+    keep_text: bool = False  # keep the answer's text (a conversation sends it back)
 
 
 @dataclass(slots=True)
@@ -58,6 +59,8 @@ class Record:
     status: int = 0
     error: str | None = None
     pool: str | None = None
+    reason: str | None = None  # the router's `X-Route-Reason`
+    text: str | None = None  # the answer's text, where the job keeps it
     cached_tokens: int | None = None  # prompt tokens the engine found cached, where its usage says
 
     @property
@@ -144,16 +147,22 @@ class Load:
             async with self._session().post(self._url, headers=headers, data=body) as response:
                 record.status = response.status
                 record.pool = response.headers.get("x-route-pool")
+                record.reason = response.headers.get("x-route-reason")
                 if response.status != 200:
                     record.error = (await response.read())[:200].decode(errors="replace")
                     return record
                 watch = StreamWatch(drop_usage_chunk=False)
+                stream = bytearray() if job.keep_text else None
                 async for chunk in response.content.iter_any():
                     watch.feed(chunk)
+                    if stream is not None:
+                        stream += chunk
                     if record.ttft is None and watch.saw_content:
                         record.ttft = (time.perf_counter() - started) * self.target.time_scale
                 watch.flush()
                 record.error = watch.error
+                if stream is not None:
+                    record.text = _content(bytes(stream))
                 record.tokens = watch.completion_tokens or 0
                 record.prompt_tokens = prompt_tokens(watch.usage) or 0
                 details = (watch.usage or {}).get("prompt_tokens_details")
@@ -164,3 +173,14 @@ class Load:
         finally:
             record.duration = (time.perf_counter() - started) * self.target.time_scale
         return record
+
+
+def _content(stream: bytes) -> str:
+    """A chat stream's generated text: every chunk's `delta.content`, joined."""
+    parts: list[str] = []
+    for line in stream.splitlines():
+        if not line.startswith(b"data: {"):
+            continue
+        for choice in json.loads(line[6:]).get("choices") or ():
+            parts.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)

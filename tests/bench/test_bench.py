@@ -150,3 +150,20 @@ def test_bench_fairness_runs_chat_alone_and_beside_the_agent_both_ways(tmp_path:
         assert 0 < runs[name]["agent_token_share"] < 1
     report = (tmp_path / "report.md").read_text()
     assert "within 1.5× of alone" in report and "at least its fair share" in report
+
+
+@pytest.mark.e2e  # the embedded layout, routed, simulated
+def test_bench_conversations_sends_the_context_and_the_answers_back(tmp_path: Path) -> None:
+    """Each later turn carries the first turn's context and the answers as streamed, so the
+    history grows past the context and nearly all of it is found cached."""
+    code = main(
+        ["bench", "conversations", "--users", "2", "--turns", "3", "--context-words", "3000",
+         "--turn-words", "50", "--answer-tokens", "48", "--think", "1", "--batch", "4", "--batch-on", "2",
+         "--batch-off", "2", "--modes", "adaptive", "--time-scale", str(SCALE), "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 0
+    run = json.loads((tmp_path / "conversations.json").read_text())["results"]["adaptive"]
+    assert (run["turns"], run["errors"]) == (6, 0)
+    assert run["longest_prompt"] > 3_000 + 2 * (50 + 48)
+    # All but each new message and the last block of the answer before it.
+    assert run["later_cached_share"] > 0.9
