@@ -241,8 +241,8 @@ class Metrics:
         )
         self.shared_state_seconds = Histogram(
             "specroute_shared_state_seconds",
-            "Time a request waited for the shared state, per call that answered: `client` when it arrives, "
-            "`claim` when it takes a backend's slot.",
+            "Time a request waited for the shared state, per call that answered: `claim` when it takes a backend's "
+            "slot, `client` when a client not seen lately arrives.",
             ["call"],
             buckets=SHARED_STATE_BUCKETS,
             registry=registry,

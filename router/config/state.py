@@ -27,9 +27,9 @@ class State(Section):
         default=0.05,
         gt=0,
         le=1,
-        description="Seconds a request waits for Redis at most, per call (one when it arrives, one when it takes a "
-        "slot), the event loop's own delays included; past it, the replica decides alone until Redis answers its next "
-        "sync.",
+        description="Seconds a request waits for Redis at most, per call (when it takes a slot; and when its client "
+        "was not seen lately, before it is classified), the event loop's own delays included; past it, the replica "
+        "decides alone until Redis answers its next sync.",
     )
     sync_interval: float = Field(
         default=0.25,
@@ -52,7 +52,8 @@ class State(Section):
     max_connections: int = Field(
         default=32,
         ge=1,
-        description="Connections to Redis per replica at most (a request finding none free waits within `timeout`).",
+        description="Connections to Redis per replica at most (a request finding none free waits within `timeout`); "
+        "claims asked for at once share one round trip, so a few are in use at a time.",
     )
 
     @field_validator("redis_url")

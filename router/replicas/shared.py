@@ -1,11 +1,14 @@
 """`Replicas`: what a router asks of the state it shares with its replicas, never waiting long.
 
 Alone (no `state.redis_url`), every call returns at once and the router decides from its own
-view, as a single router does. With a store, a request makes one call when it arrives (its
-client's figures, and every backend's, from the others) and one when it takes a slot (granted
-only if the replicas together stay within the backend's `max_concurrency`); each within
-`state.timeout`. What ends (a request, a slot) is written behind the request, and everything is
-written whole every `state.sync_interval`, which repairs any write lost or late.
+view, as a single router does. With a store, a request makes one call, when it takes a slot:
+granted only if the replicas together stay within the backend's `max_concurrency`, it writes the
+client's requests here and answers its figures and every backend's from the others, which the
+next requests are classified by. Only a client not seen lately is looked up before it is
+classified (`arrived`). Claims asked for while one is under way go together in the next round
+trip; each caller waits within `state.timeout`. What ends (a request, a slot) is written behind
+the request, and everything is written whole every `state.sync_interval`, which repairs any
+write lost or late.
 
 A call that fails or runs out of time turns the replica to its own view: logged once, shown in
 `/readyz` and in `specroute_shared_state_up`. It rejoins at the first sync that succeeds.
@@ -21,7 +24,7 @@ import os
 import secrets
 import socket
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from router.backends.backend import Backend
@@ -30,7 +33,8 @@ from router.backends.pools import Pools
 from router.clock import Clock
 from router.config import State
 from router.metrics import Metrics
-from router.replicas.store import Store, StoreError
+from router.replicas.coalesce import Coalesced
+from router.replicas.store import Ask, Claim, Store, StoreError
 from router.routing.clients import Clients
 
 logger = logging.getLogger("specroute.replicas")
@@ -64,9 +68,11 @@ class Replicas:
         self._since = clock.now()  # when `sharing` last changed
         self._last_error: str | None = None
         self._others = 0  # live replicas besides this one, at the last sync
-        # Requests ended since last written, per client and per backend (written behind them).
-        self._ended_clients: Counter[str] = Counter()
+        # Clients whose requests ended (by their key in the store), and slots ended per backend,
+        # since last written: written behind the requests.
+        self._left: dict[str, str] = {}
         self._ended_backends: Counter[str] = Counter()
+        self._claims: Coalesced[Ask, Claim] = Coalesced(self._claim_round)
         self._changed = asyncio.Event()
         # Clear while a sync is under way: a count sent meanwhile could land before the sync's
         # whole figures, which were taken without it, and be overwritten. And the sync waits for
@@ -102,6 +108,7 @@ class Replicas:
         self._last_error = "not joined yet" if store is not None else None
 
     async def aclose(self) -> None:
+        await self._claims.aclose()
         if self._store is not None:
             await self._store.aclose()
 
@@ -119,44 +126,51 @@ class Replicas:
 
     # The request path.
 
-    async def arrived(self, client: str, *, again: bool = False) -> None:
-        """A request of `client` is counted here (router.routing.clients): count it there, and
-        learn what the other replicas have of the client and of every backend. `again`: the same
-        request, after its burst hold (counted already)."""
+    async def arrived(self, client: str) -> None:
+        """Before classifying a request of a client not seen lately (counted here already, by
+        router.routing.clients): write its count here, and learn what the other replicas have of
+        it and of every backend."""
         store = self._store
         if store is None or not self.sharing:
             return
-        share = await self._call("client", lambda: store.client(client_key(client), new=0 if again else 1))
+        here = self._clients[client]
+        share = await self._call("client", lambda: store.client(client_key(client), here=here))
         if share is not None:
             self._clients.share(client, elsewhere=share.in_flight, peak=share.peak)
             self._apply(share.backends)
 
     def left(self, client: str) -> None:
         if self.sharing:
-            self._ended_clients[client_key(client)] += 1
+            self._left[client_key(client)] = client
             self._changed.set()
 
-    async def claim(self, backend: Backend) -> bool:
-        """Whether the slot this router just took on `backend` is free across the replicas.
-        Alone, or with the store failing, it is."""
-        store = self._store
-        if store is None or not self.sharing:
+    async def claim(self, backend: Backend, client: str) -> bool:
+        """Whether the slot this router just took on `backend` for a request of `client` is free
+        across the replicas. Alone, or with the store failing, it is."""
+        if self._store is None or not self.sharing:
             return True
         unread = backend.unread(self._clock.now(), self._stale_after)
-        claim = await self._call(
-            "claim", lambda: store.claim(backend.name, unread=unread, limit=backend.max_concurrency)
-        )
+        ask = Ask(backend.name, unread, backend.max_concurrency, client_key(client), self._clients[client])
+        claim = await self._call("claim", lambda: self._claims(ask))
         if claim is None:
             return True
+        self._clients.share(client, elsewhere=claim.in_flight, peak=claim.peak)
         if claim.granted:
-            backend.elsewhere = claim.elsewhere
             return True
-        # Refused: no room here until the next view of the others (a sync, a request's arrival),
+        # Refused: no room here until the next view of the others (a sync, another claim),
         # however few the others hold: this replica's own count there may not have caught up
         # with what ended here yet, and a request asking again at once would only be refused again.
         full = backend.max_concurrency - (backend.in_flight - 1)
-        backend.elsewhere = Elsewhere(max(claim.elsewhere.in_flight, full), claim.elsewhere.unread)
+        backend.elsewhere = Elsewhere(max(backend.elsewhere.in_flight, full), backend.elsewhere.unread)
         return False
+
+    async def _claim_round(self, asks: Sequence[Ask]) -> Sequence[Claim]:
+        """One round trip for the claims asked for meanwhile (router.replicas.coalesce)."""
+        assert self._store is not None
+        answer = await self._store.claim(asks)
+        if self.sharing:  # not if a caller ran out of time meanwhile
+            self._apply(answer.backends)
+        return answer.claims
 
     def released(self, backend: Backend) -> None:
         """A slot on `backend` that `claim` granted ended."""
@@ -201,7 +215,7 @@ class Replicas:
                         async with asyncio.timeout(left):
                             await self._changed.wait()
                     self._changed.clear()
-                    if self.sharing and (self._ended_clients or self._ended_backends):
+                    if self.sharing and (self._left or self._ended_backends):
                         await self._ended()
             except Exception as exc:
                 # A bug of ours or of a store: never the end of the syncs, which a queue waiting
@@ -212,7 +226,8 @@ class Replicas:
 
     async def _ended(self) -> None:
         assert self._store is not None
-        clients, self._ended_clients = self._ended_clients, Counter()
+        left, self._left = self._left, {}
+        clients = {key: self._clients[client] for key, client in left.items()}
         backends, self._ended_backends = self._ended_backends, Counter()
         now = self._clock.now()
         unread = {b.name: b.unread(now, self._stale_after) for b in self._pools.backends() if b.name in backends}
@@ -232,7 +247,7 @@ class Replicas:
             now = self._clock.now()
             clients = {client_key(c): n for c, n in self._clients.counts().items()}
             backends = {b.name: self._own(b, now) for b in self._pools.backends() if b.in_flight}
-            self._ended_clients, self._ended_backends = Counter(), Counter()  # in the counts above
+            self._left, self._ended_backends = {}, Counter()  # in the counts above
             async with asyncio.timeout(self._config.sync_interval):
                 view = await self._store.sync(clients, backends)
         except (TimeoutError, StoreError) as exc:

@@ -2,16 +2,17 @@
 
 A store keeps, for each replica, its own figures (a client's requests in flight, a backend's
 slots in use and requests sent since the replica's last reading of it), and answers with the
-sum of the other live replicas' figures. What a request changes is counted as it changes (an
-arrival, a slot taken, what ended); `sync` writes everything whole, which repairs a count lost
-or doubled by a call that ran out of time. A store raises `StoreError` for anything that goes wrong,
-whatever its cause (a connection lost, an answer that is not what was asked); `Replicas`
-(router.replicas.shared) bounds each call in time and falls back to the replica's own view.
+sum of the other live replicas' figures. A client's count is written whole with each call that
+concerns it; slots are counted as they are taken and end; `sync` writes everything whole, which
+repairs a count lost or doubled by a call that ran out of time. A store raises `StoreError`
+for anything that goes wrong, whatever its cause (a connection lost, an answer that is not
+what was asked); `Replicas` (router.replicas.shared) bounds each call in time and falls back to
+the replica's own view.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,28 +41,48 @@ class View:
 
 
 @dataclass(frozen=True, slots=True)
+class Ask:
+    """A slot asked for on `backend` by a request of `client`."""
+
+    backend: str
+    unread: int  # this replica's requests there sent since its last reading of the engine
+    limit: int  # the slots of the backend, for the replicas together
+    client: str
+    here: int  # the client's requests in flight on this replica
+
+
+@dataclass(frozen=True, slots=True)
 class Claim:
     granted: bool  # the slot was free across all replicas, and is now this replica's
-    elsewhere: Elsewhere  # the backend's figures on the other replicas
+    in_flight: int  # the client's requests in flight on the other replicas
+    peak: float  # its remembered peak across all replicas, faded to now
+
+
+@dataclass(frozen=True, slots=True)
+class Claims:
+    """What a round of claims answers: each claim in the order asked, and the backends' figures
+    on the other replicas."""
+
+    claims: Sequence[Claim]
+    backends: Mapping[str, Elsewhere]
 
 
 class Store(Protocol):
     """A sharing mechanism between replicas (Redis; another process's, for worker processes)."""
 
-    async def client(self, client: str, *, new: int) -> ClientShare:
-        """A request of `client` (an opaque, bounded id) arrived here (`new` 1), or is looked at
-        again (0): count it, fold the client's total into its shared peak, and answer the others'
-        figures."""
+    async def client(self, client: str, *, here: int) -> ClientShare:
+        """`client` (an opaque, bounded id) has `here` requests in flight on this replica: write
+        it, fold the client's total into its shared peak, and answer the others' figures."""
         ...
 
-    async def claim(self, backend: str, *, unread: int, limit: int) -> Claim:
-        """One more slot on `backend` for this replica: granted, and counted, only if the replicas
-        together then hold at most `limit`. `unread`: this replica's requests there sent since its
-        last reading of the engine."""
+    async def claim(self, asks: Sequence[Ask]) -> Claims:
+        """Slots, each granted, and counted, only if the replicas together then hold at most its
+        `limit`; and each asking client's figures written and answered as `client` does."""
         ...
 
     async def ended(self, clients: Mapping[str, int], backends: Mapping[str, int], unread: Mapping[str, int]) -> None:
-        """Requests that ended here, per client and per backend, and those backends' `unread` now."""
+        """Clients' requests in flight here now, slots that ended here per backend, and those
+        backends' `unread` now."""
         ...
 
     async def sync(self, clients: Mapping[str, int], backends: Mapping[str, Elsewhere]) -> View:

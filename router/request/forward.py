@@ -201,7 +201,7 @@ class Forwarder:
             # A slot the other replicas (router.replicas) took meanwhile is given back, and the
             # request waits for another.
             try:
-                if await self._replicas.claim(backend):
+                if await self._replicas.claim(backend, incoming.client):
                     break
             except BaseException:
                 pool.give_back(backend, client=incoming.client)

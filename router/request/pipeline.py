@@ -108,11 +108,12 @@ class Pipeline:
                 )
             new_client = self._clients.start(incoming.client)
             try:
-                # Decision: what the other replicas have of the client and the backends; a new
-                # client's first burst shows itself first (on them too); then where and why.
-                await self._replicas.arrived(incoming.client)
+                # Decision: a new client's first burst shows itself first (on the other replicas
+                # too, asked before and after it); then where and why.
+                if new_client:
+                    await self._replicas.arrived(incoming.client)
                 if await self._clients.settle(incoming.client, new=new_client):
-                    await self._replicas.arrived(incoming.client, again=True)  # the burst as it is now
+                    await self._replicas.arrived(incoming.client)  # the burst as it is now
                 now = self._clock.now()
                 prompt, cached = self._placement.look_up(incoming, plan, now)  # its conversation, if placed
                 pools = snapshot(

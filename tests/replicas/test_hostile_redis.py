@@ -178,12 +178,50 @@ async def test_a_request_decides_alone_when_redis_answers(
             asked = len(fake.commands_answered)
             one.clients.start("etl")
             await one.replicas.arrived("etl")
-            assert await one.replicas.claim(backend)
+            assert await one.replicas.claim(backend, "etl")
             one.replicas.left("etl")
             assert len(fake.commands_answered) == asked
             assert one.metric("specroute_shared_state_fallbacks_total") == 1
             warnings = [r for r in caplog.records if "deciding alone" in r.getMessage()]
             assert len(warnings) == 1
+        finally:
+            sync.cancel()
+            await asyncio.gather(sync, return_exceptions=True)
+
+
+# Answers to a claim for one slot, each out of shape.
+CLAIM_JUNK = [
+    pytest.param(b"*2\r\n*3\r\n:2\r\n:0\r\n$5\r\n1.000\r\n*0\r\n", id="grant-not-0-or-1"),
+    pytest.param(b"*2\r\n*0\r\n*0\r\n", id="no-answer-for-the-claim"),
+    pytest.param(b"*2\r\n*6\r\n:1\r\n:0\r\n$1\r\n1\r\n:1\r\n:0\r\n$1\r\n1\r\n*0\r\n", id="two-answers-for-one"),
+    pytest.param(b"*2\r\n*3\r\n:1\r\n:-1\r\n$5\r\n1.000\r\n*0\r\n", id="negative-count"),
+    pytest.param(b"*2\r\n*3\r\n:1\r\n:0\r\n$3\r\ninf\r\n*0\r\n", id="infinite-peak"),
+    pytest.param(b"*2\r\n*3\r\n:1\r\n:0\r\n$1\r\n1\r\n*1\r\n:3\r\n", id="backends-not-in-threes"),
+    pytest.param(b"*3\r\n:1\r\n$5\r\n1.000\r\n*0\r\n", id="a-clients-answer"),
+    pytest.param("stall", id="stall"),
+    pytest.param("close", id="close"),
+]
+
+
+@pytest.mark.parametrize("answer", CLAIM_JUNK)
+async def test_a_claim_answered_junk_is_granted_alone(answer: bytes | str) -> None:
+    async with fake_redis([GOOD_SYNC, answer]) as fake, replica(fake.port) as one:
+        sync = asyncio.create_task(one.replicas.run())
+        try:
+            for _ in range(200):
+                if one.replicas.sharing:
+                    break
+                await asyncio.sleep(0.01)
+            assert one.replicas.sharing, (one.replicas.status(), fake.commands)
+            backend = next(one.pools.backends())
+            one.clients.start("etl")
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            assert await one.replicas.claim(backend, "etl")  # the slot: the replica's own to give
+            assert loop.time() - started < SYNC / 2
+            assert not one.replicas.sharing
+            assert backend.elsewhere is ALONE and one.clients.load("etl") == 1
+            assert one.metric("specroute_shared_state_fallbacks_total") == 1
         finally:
             sync.cancel()
             await asyncio.gather(sync, return_exceptions=True)

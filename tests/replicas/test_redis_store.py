@@ -11,6 +11,7 @@ import redis as redis_sync
 
 from router.backends.engines import Elsewhere
 from router.replicas.redis import RedisStore
+from router.replicas.store import Ask
 from tests.redis import RedisServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]  # a redis-server of its own
@@ -54,42 +55,52 @@ async def pair(server: RedisServer, keys: str) -> AsyncIterator[tuple[RedisStore
 
 async def test_each_replica_sees_the_others_requests_of_a_client(pair: tuple[RedisStore, RedisStore]) -> None:
     a, b = pair
-    for _ in range(3):
-        seen = await a.client("etl", new=1)
+    seen = await a.client("etl", here=3)
     assert seen.in_flight == 0 and seen.peak == 3
-    for expected in (3, 3):
-        seen = await b.client("etl", new=1)
-        assert seen.in_flight == expected  # a's three, whatever b has
-    assert seen.peak == 5
-    again = await b.client("etl", new=0)  # looked at again: not counted twice
+    seen = await b.client("etl", here=2)
+    assert seen.in_flight == 3 and seen.peak == 5
+    again = await b.client("etl", here=2)  # a count written whole: never counted twice
     assert again.in_flight == 3 and again.peak == 5
-    await a.ended({"etl": 3}, {}, {})
-    assert (await b.client("etl", new=0)).in_flight == 0
-    assert (await b.client("other", new=0)).in_flight == 0
+    await a.ended({"etl": 0}, {}, {})
+    assert (await b.client("etl", here=2)).in_flight == 0
+    assert (await b.client("other", here=0)).in_flight == 0
 
 
 async def test_a_backends_last_slot_goes_to_one_replica(pair: tuple[RedisStore, RedisStore]) -> None:
     a, b = pair
-    claims = await asyncio.gather(*(store.claim("team-1", unread=1, limit=3) for _ in range(10) for store in (a, b)))
-    assert sum(claim.granted for claim in claims) == 3
+    asked = [store.claim([Ask("team-1", 1, 3, "etl", 1)]) for _ in range(10) for store in (a, b)]
+    granted = [answer.claims[0].granted for answer in await asyncio.gather(*asked)]
+    assert sum(granted) == 3
     # What each replica holds shows to the other, with what it sent since its reading.
-    held_by_a = sum(claim.granted for claim in claims[0::2])
-    seen = await b.claim("team-1", unread=0, limit=3)
-    assert not seen.granted and seen.elsewhere == Elsewhere(held_by_a, 1 if held_by_a else 0)
+    held_by_a = sum(granted[0::2])
+    seen = await b.claim([Ask("team-1", 0, 3, "etl", 1)])
+    assert not seen.claims[0].granted
+    assert seen.backends.get("team-1", Elsewhere()) == Elsewhere(held_by_a, 1 if held_by_a else 0)
     await a.ended({}, {"team-1": held_by_a}, {"team-1": 0})
-    assert (await b.client("x", new=0)).backends.get("team-1", Elsewhere()) == Elsewhere(0, 0)
+    assert (await b.client("x", here=0)).backends.get("team-1", Elsewhere()) == Elsewhere(0, 0)
+
+
+async def test_claims_in_one_round_are_granted_in_order_within_the_limit(pair: tuple[RedisStore, RedisStore]) -> None:
+    a, b = pair
+    await b.client("etl", here=2)
+    answer = await a.claim([Ask("team-1", unread, 3, "etl", 4) for unread in range(5)])
+    assert [claim.granted for claim in answer.claims] == [True, True, True, False, False]
+    assert all(claim.in_flight == 2 and claim.peak == 6 for claim in answer.claims)  # b's two, and a's four
+    seen = await b.claim([Ask("team-1", 0, 3, "dev", 1)])
+    assert not seen.claims[0].granted and seen.backends == {"team-1": Elsewhere(3, 2)}
+    assert (await b.client("etl", here=2)).in_flight == 4  # the claims wrote a's count of etl
 
 
 async def test_a_sync_replaces_what_a_replica_had(pair: tuple[RedisStore, RedisStore]) -> None:
     a, b = pair
-    await a.client("etl", new=1)
-    await a.claim("fast-1", unread=1, limit=10)
+    await a.client("etl", here=1)
+    await a.claim([Ask("fast-1", 1, 10, "etl", 1)])
     view = await a.sync({"dev": 2}, {"team-1": Elsewhere(4, 2)})
     assert view.replicas == 1  # b
-    seen = await b.client("etl", new=0)
+    seen = await b.client("etl", here=0)
     assert seen.in_flight == 0  # a's count of etl went with the sync
     assert seen.backends == {"team-1": Elsewhere(4, 2)}
-    assert (await b.client("dev", new=0)).in_flight == 2
+    assert (await b.client("dev", here=0)).in_flight == 2
 
 
 async def test_a_replica_that_stopped_ages_out(server: RedisServer, keys: str) -> None:
@@ -101,7 +112,7 @@ async def test_a_replica_that_stopped_ages_out(server: RedisServer, keys: str) -
         await asyncio.sleep(0.4)  # Redis's own clock: the stopped replica's figures expire past its ttl
         view = await a.sync({}, {})
         assert view.replicas == 0 and view.backends == {}
-        assert (await a.client("etl", new=0)).in_flight == 0
+        assert (await a.client("etl", here=0)).in_flight == 0
         client = redis_sync.Redis.from_url(server.url)
         assert not client.exists(f"{{{keys}}}:r:gone:c", f"{{{keys}}}:r:gone:b", f"{{{keys}}}:r:gone:u")
         client.close()
@@ -115,13 +126,13 @@ async def test_a_flood_of_clients_keeps_the_peaks_bounded(server: RedisServer, k
     try:
         await store.sync({}, {})
         for n in range(400):
-            await store.client(f"flood-{n}", new=1)
+            await store.client(f"flood-{n}", here=1)
         client = redis_sync.Redis.from_url(server.url)
         assert client.hlen(f"{{{keys}}}:peaks") <= 50
         assert client.zcard(f"{{{keys}}}:fades") <= 50
         assert client.pttl(f"{{{keys}}}:peaks") > 0  # and it all expires when no replica writes
         client.close()
-        assert (await store.client("flood-399", new=0)).peak == 1  # the newest is kept
+        assert (await store.client("flood-399", here=0)).peak == 1  # the newest is kept
     finally:
         await store.aclose()
 
@@ -130,11 +141,10 @@ async def test_a_peak_fades_by_redis_clock(server: RedisServer, keys: str) -> No
     store = _store(server, keys, "a", memory=0.2)
     try:
         await store.sync({}, {})
-        for _ in range(8):
-            await store.client("etl", new=1)
-        await store.ended({"etl": 8}, {}, {})
+        await store.client("etl", here=8)
+        await store.ended({"etl": 0}, {}, {})
         await asyncio.sleep(0.25)
-        peak = (await store.client("etl", new=0)).peak
+        peak = (await store.client("etl", here=0)).peak
         assert 1.5 < peak < 4.5  # halved once or a little more, 8 → about 4
     finally:
         await store.aclose()
