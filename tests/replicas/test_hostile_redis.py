@@ -129,6 +129,22 @@ async def replica(port: int, *, sync: float = SYNC) -> AsyncIterator[Replica]:
         await replicas.aclose()
 
 
+@asynccontextmanager
+async def joined(one: Replica, fake: FakeRedis) -> AsyncIterator[None]:
+    """The replica syncing in the background, joined after the fake's first answer (in shape)."""
+    sync = asyncio.create_task(one.replicas.run())
+    try:
+        for _ in range(200):
+            if one.replicas.sharing:
+                break
+            await asyncio.sleep(0.01)
+        assert one.replicas.sharing, (one.replicas.status(), fake.commands)
+        yield
+    finally:
+        sync.cancel()
+        await asyncio.gather(sync, return_exceptions=True)
+
+
 JUNK = [
     pytest.param(b"\x00\xff\xfe not RESP at all\r\n", id="not-resp"),
     pytest.param(b"*3\r\n:-5\r\n$5\r\n1.000\r\n*0\r\n", id="negative-count"),
@@ -150,43 +166,33 @@ JUNK = [
 async def test_a_request_decides_alone_when_redis_answers(
     answer: bytes | str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async with fake_redis([GOOD_SYNC, answer]) as fake, replica(fake.port) as one:
-        sync = asyncio.create_task(one.replicas.run())
-        try:
-            for _ in range(200):
-                if one.replicas.sharing:
-                    break
-                await asyncio.sleep(0.01)
-            assert one.replicas.sharing, (one.replicas.status(), fake.commands)  # the sync in shape: joined
-            backend = next(one.pools.backends())
-            assert backend.elsewhere.in_flight == 1
-            one.clients.start("etl")
-            caplog.set_level(logging.INFO, "specroute.replicas")
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            await one.replicas.arrived("etl")  # the hostile answer
-            assert loop.time() - started < SYNC / 2  # the budget, not the socket's timeout (a busy loop's slack)
-            # Nothing it said was taken; the replica decides from its own view.
-            assert not one.replicas.sharing
-            assert one.clients.load("etl") == 1
-            assert backend.elsewhere is ALONE
-            assert one.metric("specroute_shared_state_up") == 0
-            assert one.metric("specroute_shared_state_fallbacks_total") == 1
-            status = one.replicas.status()
-            assert status["sharing"] is False and status["last_error"]
-            # Alone, a request asks Redis nothing and waits for nothing.
-            asked = len(fake.commands_answered)
-            one.clients.start("etl")
-            await one.replicas.arrived("etl")
-            assert await one.replicas.claim(backend, "etl")
-            one.replicas.left("etl")
-            assert len(fake.commands_answered) == asked
-            assert one.metric("specroute_shared_state_fallbacks_total") == 1
-            warnings = [r for r in caplog.records if "deciding alone" in r.getMessage()]
-            assert len(warnings) == 1
-        finally:
-            sync.cancel()
-            await asyncio.gather(sync, return_exceptions=True)
+    async with fake_redis([GOOD_SYNC, answer]) as fake, replica(fake.port) as one, joined(one, fake):
+        backend = next(one.pools.backends())
+        assert backend.elsewhere.in_flight == 1
+        one.clients.start("etl")
+        caplog.set_level(logging.INFO, "specroute.replicas")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await one.replicas.arrived("etl")  # the hostile answer
+        assert loop.time() - started < SYNC / 2  # the budget, not the socket's timeout (a busy loop's slack)
+        # Nothing it said was taken; the replica decides from its own view.
+        assert not one.replicas.sharing
+        assert one.clients.load("etl") == 1
+        assert backend.elsewhere is ALONE
+        assert one.metric("specroute_shared_state_up") == 0
+        assert one.metric("specroute_shared_state_fallbacks_total") == 1
+        status = one.replicas.status()
+        assert status["sharing"] is False and status["last_error"]
+        # Alone, a request asks Redis nothing and waits for nothing.
+        asked = len(fake.commands_answered)
+        one.clients.start("etl")
+        await one.replicas.arrived("etl")
+        assert await one.replicas.claim(backend, "etl")
+        one.replicas.left("etl")
+        assert len(fake.commands_answered) == asked
+        assert one.metric("specroute_shared_state_fallbacks_total") == 1
+        warnings = [r for r in caplog.records if "deciding alone" in r.getMessage()]
+        assert len(warnings) == 1
 
 
 # Answers to a claim for one slot, each out of shape.
@@ -205,26 +211,16 @@ CLAIM_JUNK = [
 
 @pytest.mark.parametrize("answer", CLAIM_JUNK)
 async def test_a_claim_answered_junk_is_granted_alone(answer: bytes | str) -> None:
-    async with fake_redis([GOOD_SYNC, answer]) as fake, replica(fake.port) as one:
-        sync = asyncio.create_task(one.replicas.run())
-        try:
-            for _ in range(200):
-                if one.replicas.sharing:
-                    break
-                await asyncio.sleep(0.01)
-            assert one.replicas.sharing, (one.replicas.status(), fake.commands)
-            backend = next(one.pools.backends())
-            one.clients.start("etl")
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            assert await one.replicas.claim(backend, "etl")  # the slot: the replica's own to give
-            assert loop.time() - started < SYNC / 2
-            assert not one.replicas.sharing
-            assert backend.elsewhere is ALONE and one.clients.load("etl") == 1
-            assert one.metric("specroute_shared_state_fallbacks_total") == 1
-        finally:
-            sync.cancel()
-            await asyncio.gather(sync, return_exceptions=True)
+    async with fake_redis([GOOD_SYNC, answer]) as fake, replica(fake.port) as one, joined(one, fake):
+        backend = next(one.pools.backends())
+        one.clients.start("etl")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await one.replicas.claim(backend, "etl")  # the slot: the replica's own to give
+        assert loop.time() - started < SYNC / 2
+        assert not one.replicas.sharing
+        assert backend.elsewhere is ALONE and one.clients.load("etl") == 1
+        assert one.metric("specroute_shared_state_fallbacks_total") == 1
 
 
 @pytest.mark.parametrize("answer", JUNK)
