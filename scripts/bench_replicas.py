@@ -10,7 +10,9 @@ generator. Two measurements, each alternating alone / sharing / direct in the sa
 2. --burst concurrent streams, --bursts times: the median and p99 first token of each side.
 
 The sharing router's own `specroute_shared_state_seconds` (its wait for Redis per call) and its
-fallbacks are printed at the end: a run where it fell back measured the router alone.
+fallbacks are printed at the end: a run where it fell back measured the router alone. Beside the
+lone streams, a bare PING to the same Redis from this process shows what one loopback round trip
+costs under the machine's load at that moment.
 
     python scripts/bench_replicas.py [--single 400 --burst 32 --bursts 20]
 """
@@ -25,9 +27,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
+import redis
 from bench_router_overhead import UPSTREAM, run
 from loopback import free_port, wait_until_up
 
@@ -103,14 +107,21 @@ def main() -> None:
                 asyncio.run(run(url, args.burst, 2, 0))  # warm: connections opened, scripts loaded
 
             lone: dict[str, list[float]] = {side: [] for side in sides}
+            pings = []  # one bare round trip to the same Redis, as the load of the moment makes it
+            ping = redis.Redis(port=redis_port)
             for _ in range(args.single):
                 for side, url in sides.items():
                     lone[side] += asyncio.run(run(url, 1, 2, 0))[0]
+                started = time.perf_counter()
+                ping.ping()
+                pings.append(time.perf_counter() - started)
+            ping.close()
             medians = {side: statistics.median(values) for side, values in lone.items()}
             print(f"1. one stream at a time, {args.single} each, median time to first token:")
             for side, median in medians.items():
                 print(f"   {side:8} {median * 1000:.3f} ms")
             print(f"   sharing adds {(medians['sharing'] - medians['alone']) * 1000:+.3f} ms to the router alone's")
+            print(f"   one PING to the same Redis from here: median {statistics.median(pings) * 1000:.3f} ms")
 
             burst: dict[str, list[float]] = {side: [] for side in sides}
             for _ in range(args.bursts):
