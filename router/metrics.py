@@ -24,7 +24,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
@@ -322,6 +322,12 @@ class _LiveState(Collector):
             'of their identity, and the rest summed as client="others".',
             labels=["pool", "client"],
         )
+        held_back = CounterMetricFamily(
+            "specroute_held_back_requests",
+            "Requests that waited in a pool's queue although a slot was free: their client held its share while "
+            "others were active (fairness.keep_room).",
+            labels=["pool"],
+        )
         now = self._clock.now()
         config = self.config
         standard = [b.name for pool in self._pools if not pool.speculative for b in pool.backends]
@@ -360,6 +366,7 @@ class _LiveState(Collector):
                         family.add_metric(key, value)
             for job in JOB_CLASSES:
                 queued.add_metric([pool.name, job], pool.queued(job))
+            held_back.add_metric([pool.name], pool.held_back)
             named, others = pool.shares(self.top_clients)
             for client, slots in named:
                 client_slots.add_metric([pool.name, client_hash(client)], slots)
@@ -371,6 +378,7 @@ class _LiveState(Collector):
             draining,
             gone,
             queued,
+            held_back,
             running,
             waiting,
             kv,

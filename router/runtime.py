@@ -95,7 +95,7 @@ class Router:
         self.shutting_down = False
         self.clock: Clock = clock if clock is not None else MonotonicClock()
         # The parts, built without settings: `apply` below is the one place settings reach them.
-        self.pools = Pools()
+        self.pools = Pools(clock=self.clock)
         self.speeds = SpeedModel(clock=self.clock)
         self.metrics = Metrics(
             registry if registry is not None else CollectorRegistry(),
@@ -198,7 +198,7 @@ class Router:
         changed = _differences(masked(previous), masked(settings)) if previous is not None else []
         drained = [backend for backend in self.pools.backends() if backend.draining]
         resolver = _resolver(settings)
-        for name in self.pools.configure(settings.pools, settings.health, fair_share=settings.fairness.fair_share):
+        for name in self.pools.configure(settings.pools, settings.health, settings.fairness):
             self._forget(name)
         self.discovery.configure(settings.pools, settings.discovery, settings.health, resolver)
         # A drained backend configured anew (another URL or pool) is a new backend, not drained.

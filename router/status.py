@@ -48,6 +48,9 @@ def _shares(pool: Pool, top: int) -> dict[str, Any]:
     held = sum(slots for _, slots in named) + others
     return {
         "fair_share": pool.fair_share,
+        "keep_room": pool.fair_share and pool.active.keep_room,
+        "active_clients": len(pool.active),
+        "held_back": pool.held_back,
         "top": [
             {"client": client_hash(client), "slots": slots, "share": round(slots / held, 4)} for client, slots in named
         ],

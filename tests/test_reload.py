@@ -259,6 +259,8 @@ RELOADABLE: dict[str, tuple[Any, Observe | WithEngine]] = {
     "classify.placeholder_keys": (["team-key"], lambda r: "team-key" in r.plan.placeholders),
     "classify.code_hints": (["frobnicate"], lambda r: content_kind({"prompt": "frobnicate it"}, r.plan.code_hints)),
     "fairness.fair_share": (False, lambda r: r.pools["fast"].fair_share),
+    "fairness.keep_room": (False, lambda r: r.pools["fast"].active.keep_room),
+    "fairness.active_window": (5.0, lambda r: r.pools["fast"].active.window),
     "fairness.top_clients": (3, lambda r: r.plan.top_clients),
     "fairness.groups.*.keys_env": ("SPECROUTE_TEST_CLIENT_KEYS", lambda r: r.plan.groups.of("client-key")),
     "fairness.groups.*.weight": (3.0, lambda r: r.plan.groups.weight("g")),

@@ -8,7 +8,9 @@ pool. Within a class the queue is fair (`fair_share`): a freed slot goes to the 
 whose client holds the fewest of the pool's slots for its weight, the earliest first among
 equals; so a client with many requests in flight waits behind those with few. The pool counts
 slots only for clients holding or waiting for one: its memory is bounded by its slots and queue.
-A backend's own state is router.backends.backend.
+While others are active, a client holding its share waits even for a free slot when taking it
+would leave no room for them (router.backends.share). A backend's own state is
+router.backends.backend.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from router.backends.backend import Backend
+from router.backends.share import Activity
+from router.clock import Clock, MonotonicClock
+from router.config import Fairness, JobClass
 from router.config import Health as HealthConfig
-from router.config import JobClass
 from router.config import Pool as PoolConfig
 from router.errors import NoBackendAvailable
 
@@ -31,13 +35,14 @@ RETRY_AFTER_FLOOR = 1
 RETRY_AFTER_CAP = 60
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class _Waiter:
     future: asyncio.Future[Backend]
     only: str | None  # the one backend it may take (router.affinity), or any
     client: str  # who sent it (router.routing.clients.client_id)
     weight: float  # its client's share of the slots against others' (fairness.groups)
     order: int  # arrival order in the pool
+    held_back: bool = False  # it waited for room kept for others (router.backends.share)
 
 
 class Pool:
@@ -49,6 +54,7 @@ class Pool:
         backends: list[Backend],
         queue_size: int,
         queue_timeout: float,
+        clock: Clock | None = None,
     ) -> None:
         self.name = name
         self.speculative = speculative
@@ -59,6 +65,9 @@ class Pool:
         self.fair_share = True  # else first come, first served within a class
         self.priority_scheduling = False  # its engines order requests by their `priority` field
         self.held: dict[str, int] = {}  # slots held per client, for those holding one
+        self.active = Activity(clock if clock is not None else MonotonicClock())
+        self.held_back = 0  # requests that waited for room kept for others, ever
+        self._recheck: asyncio.TimerHandle | None = None  # a `wake` when the next client goes inactive
         self._arrivals = itertools.count()
         self.mean_duration: float | None = None  # seconds a request takes here, a running mean (None: none yet)
 
@@ -111,7 +120,9 @@ class Pool:
             owner = next((b for b in self.backends if b.name == only), None)
             if owner is None or not owner.accepting:
                 raise self._unavailable_owner(only)
-        if only is not None or not self.queued() or exclude:
+        self.active.seen(client, weight)
+        self.active.prune(self.held)
+        if (only is not None or not self.queued() or exclude) and (exclude or not self._must_wait(client, weight)):
             # Pinned: a slot free on its backend is one no queued request could take (`wake`).
             backend = self._take(exclude, only, prefer)
             if backend is not None:
@@ -169,6 +180,7 @@ class Pool:
             self.held[client] = left
         else:
             self.held.pop(client, None)
+        self.active.gave_back(client)
         if duration is not None:
             mean = self.mean_duration
             self.mean_duration = duration if mean is None else mean + _EWMA * (duration - mean)
@@ -179,8 +191,12 @@ class Pool:
         being drained or resumed); fail at once those with no backend left to wait for.
         Interactive requests go first, then batch; within a class, in fair order (`_rank`). One
         pinned to a backend that is full lets the others take another. Once a request that may
-        go anywhere finds no slot, nobody else gets one."""
+        go anywhere finds no slot, nobody else gets one. A client that must leave room for others
+        (`_must_wait`) is passed over, and looked at again when a slot frees or a client goes
+        inactive."""
         accepting = {b.name for b in self.backends if b.accepting}
+        next_inactive = self.active.prune(self.held)
+        passed_over = False
         slots = True
         for queue in self._waiters.values():
             waiting = []
@@ -194,11 +210,18 @@ class Pool:
                 waiting.append(waiter)
             queue[:] = waiting
             full: set[str] = set()  # backends a pinned request found full: none after it gets them
+            waits: set[str] = set()  # clients that must leave the free slots to others
             while slots:
-                candidates = [w for w in queue if w.only is None or w.only not in full]
+                candidates = [w for w in queue if (w.only is None or w.only not in full) and w.client not in waits]
                 if not candidates:
                     break
                 waiter = min(candidates, key=self._rank)
+                if self._must_wait(waiter.client, waiter.weight):
+                    waits.add(waiter.client)
+                    for held_back in (w for w in queue if w.client == waiter.client and not w.held_back):
+                        held_back.held_back = True
+                        self.held_back += 1
+                    continue
                 backend = self._take(only=waiter.only)
                 if backend is None:
                     if waiter.only is None:
@@ -209,6 +232,22 @@ class Pool:
                 queue.remove(waiter)
                 self._hold(waiter.client)
                 waiter.future.set_result(backend)
+            passed_over = passed_over or bool(waits)
+        if self._recheck is not None:
+            self._recheck.cancel()
+            self._recheck = None
+        if passed_over and next_inactive is not None:
+            delay = max(0.0, next_inactive - self.active.clock.now())
+            self._recheck = asyncio.get_running_loop().call_later(delay, self.wake)
+
+    def _must_wait(self, client: str, weight: float) -> bool:
+        """Whether `client` must leave the free slots to other active clients (`active`)."""
+        if not self.fair_share:
+            return False
+        accepting = [b for b in self.backends if b.accepting]
+        free = sum(max(0, b.max_concurrency - b.slots_used) for b in accepting)
+        capacity = sum(b.max_concurrency for b in accepting)
+        return self.active.must_wait(client, weight, self.held, free=free, capacity=capacity)
 
     def _rank(self, waiter: _Waiter) -> tuple[float, int]:
         """Fair share: the fewest slots held for the client's weight first, then arrival."""
@@ -266,17 +305,19 @@ class Pool:
 class Pools:
     """Every pool of the router, by name."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Clock | None = None) -> None:
         self._pools: dict[str, Pool] = {}
+        self._clock = clock if clock is not None else MonotonicClock()
 
     def configure(
-        self, configs: Mapping[str, PoolConfig], health: HealthConfig, *, fair_share: bool = True
+        self, configs: Mapping[str, PoolConfig], health: HealthConfig, fairness: Fairness | None = None
     ) -> set[str]:
         """Take the (re)loaded `pools` and `health` sections. A backend still configured in the same pool with the
         same URL is kept, with its requests in flight, health and readings; others are new.
         Requests running on a backend or pool that is gone finish there; its queue is failed.
         Returns the names of the backends that were not kept (new, gone, or at another URL).
         """
+        fairness = fairness if fairness is not None else Fairness()
         before = {backend.name: backend for backend in self.backends()}
         pools: dict[str, Pool] = {}
         for name, config in configs.items():
@@ -301,22 +342,20 @@ class Pools:
                     backend = Backend(backend_name, name, backend_config)
                 backend.outlier.config = health
                 backends.append(backend)
-            if old is None:
-                pools[name] = Pool(
-                    name,
-                    speculative=config.speculative,
-                    backends=backends,
-                    queue_size=config.queue_size,
-                    queue_timeout=config.queue_timeout,
-                )
-                pools[name].fair_share = fair_share
-                pools[name].priority_scheduling = config.priority_scheduling
-            else:
-                old.fair_share = fair_share
-                old.priority_scheduling = config.priority_scheduling
-                old.speculative, old.backends = config.speculative, backends
-                old.queue_size, old.queue_timeout = config.queue_size, config.queue_timeout
-                pools[name] = old
+            pool = old or Pool(
+                name,
+                speculative=config.speculative,
+                backends=backends,
+                queue_size=config.queue_size,
+                queue_timeout=config.queue_timeout,
+                clock=self._clock,
+            )
+            pool.fair_share = fairness.fair_share
+            pool.active.keep_room, pool.active.window = fairness.keep_room, fairness.active_window
+            pool.priority_scheduling = config.priority_scheduling
+            pool.speculative, pool.backends = config.speculative, backends
+            pool.queue_size, pool.queue_timeout = config.queue_size, config.queue_timeout
+            pools[name] = pool
         gone = [pool for name, pool in self._pools.items() if name not in pools]
         self._pools = pools
         for pool in gone:

@@ -284,12 +284,18 @@ def _spill(args: argparse.Namespace, out: Path) -> int:
 
 
 def _fairness(args: argparse.Namespace, out: Path) -> int:
-    """The chat users alone, then beside the agent with fair share and without (first come,
-    first served), each on a fresh speculative engine whose router has `--slots` slots on it."""
+    """The chat users alone, then beside the agent with fair share (room kept for them), with
+    the fair order alone, and first come, first served, each on a fresh speculative engine
+    whose router has `--slots` slots on it."""
     model = load_profile("fast").model
     runs: list[tuple[str, int, dict[str, str]]] = [
         ("chat alone", 0, {}),
         ("with the agent, fair share", args.agent, {"SPECROUTE_FAIRNESS__FAIR_SHARE": "true"}),
+        (
+            "with the agent, fair order, no room kept",
+            args.agent,
+            {"SPECROUTE_FAIRNESS__FAIR_SHARE": "true", "SPECROUTE_FAIRNESS__KEEP_ROOM": "false"},
+        ),
         ("with the agent, first come first served", args.agent, {"SPECROUTE_FAIRNESS__FAIR_SHARE": "false"}),
     ]
     results: dict[str, FairnessResult] = {}

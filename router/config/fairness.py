@@ -55,6 +55,19 @@ class Fairness(Section):
         description="Order each pool's queue fairly within a job class: a freed slot goes to the waiting request "
         "whose client holds the fewest slots for its weight (false: first come, first served).",
     )
+    keep_room: bool = Field(
+        default=True,
+        description="While other clients are active on a pool, a client holding at least its share of the slots "
+        "(the pool's slots times its weight over the active clients' weights) takes one more only if a slot stays "
+        "free for each other active client holding none; else it waits in the queue "
+        "(`specroute_held_back_requests_total`). Alone on a pool, a client takes every slot. With `fair_share` only.",
+    )
+    active_window: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds a client counts as active on a pool after it last asked for or gave back a slot there "
+        "(`keep_room`); one holding a slot is active. About the time its users read an answer before asking again.",
+    )
     top_clients: int = Field(
         default=10,
         ge=0,

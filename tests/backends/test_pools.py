@@ -181,7 +181,9 @@ async def _admission_order(
     pool: Pool, requests: list[tuple[str, str]], *, weights: dict[str, float] | None = None
 ) -> list[str]:
     """Queue `requests` (name, client) on a full one-slot pool in this order; free the slot and
-    return the order in which they were admitted, each holding its slot until the next is in."""
+    return the order in which they were admitted, each holding its slot until the next is in.
+    The order alone: no room is kept for the others (router.backends.share)."""
+    pool.active.keep_room = False
     holder = await pool.acquire("interactive", client="holder")
     order: list[str] = []
     handed: list[tuple[str, Backend]] = []

@@ -137,6 +137,47 @@ def test_a_contended_pool_admits_a_light_client_before_a_heavy_ones_queue(make_c
             assert order.index("user") == 10, order  # behind the agent's whole queue
 
 
+def test_a_heavy_client_leaves_room_for_an_active_light_one(make_cluster: Any) -> None:
+    settings = {
+        "pools": {"fast": {"queue_size": 32, "backends": {"fast-1": {"max_concurrency": 4}}}},
+        "routing": {"mode": "static"},
+        "classify": {"batch_inflight_threshold": 64, "burst_hold_seconds": 0},
+    }
+    with make_cluster(**settings) as cluster:
+
+        async def run() -> dict[str, Any]:
+            agent = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="sk-agent-1", max_retries=0)
+            user = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="sk-user-1", max_retries=0)
+
+            async def ask(client: openai.AsyncOpenAI, text: str) -> None:
+                await client.chat.completions.create(
+                    model="test-model", messages=[{"role": "user", "content": text}], max_tokens=2
+                )
+
+            try:
+                await ask(user, "user 1")  # the user is active, and holds nothing
+                cluster.fast.first_token_delay = 1.0
+                agents = [asyncio.create_task(ask(agent, f"agent {n}")) for n in range(10)]
+                # Four slots: the agent takes three and waits for the rest with one slot free.
+                await until(lambda: _queued(cluster) == 7, message="seven of the agent's held back")
+                assert cluster.metric("specroute_in_flight_requests", pool="fast", backend="fast-1") == 3
+                await ask(user, "user 2")
+                async with httpx.AsyncClient() as http:
+                    view = (await http.get(cluster.router.url + "/router/status")).json()
+                await asyncio.gather(*agents)
+                return dict(view["pools"]["fast"]["clients"])
+            finally:
+                await agent.close()
+                await user.close()
+
+        clients = asyncio.run(run())
+        order = [seen.body["messages"][0]["content"] for seen in cluster.fast.requests if seen.body]
+        assert order.index("user 2") == 4, order  # after the agent's first three, before its fourth
+        assert clients["keep_room"] is True and clients["active_clients"] == 2
+        assert clients["held_back"] == 7
+        assert cluster.metric("specroute_held_back_requests_total", pool="fast") == 7
+
+
 def test_status_and_metrics_show_the_top_clients_of_a_contended_pool(make_cluster: Any) -> None:
     settings = {
         "pools": {"fast": {"queue_size": 32, "backends": {"fast-1": {"max_concurrency": 4}}}},
