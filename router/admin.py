@@ -6,7 +6,7 @@ no admin key configured the API is off (403). Client keys never open it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -18,17 +18,22 @@ from router.request.headers import bearer
 from router.request.payload import parse_json
 from router.runtime import Router
 
+if TYPE_CHECKING:
+    from router.workers.peers import Peers
 
-def admin_routes(router: Router) -> list[Route]:
+
+def admin_routes(router: Router, workers: Peers | None = None) -> list[Route]:
+    """`workers`: the other worker processes, each told what this one was (router.workers)."""
+
     async def drain(request: Request) -> Response:
-        return await _set_draining(request, router, draining=True)
+        return await _everywhere(request, workers, await _set_draining(request, router, draining=True))
 
     async def resume(request: Request) -> Response:
-        return await _set_draining(request, router, draining=False)
+        return await _everywhere(request, workers, await _set_draining(request, router, draining=False))
 
     async def reload(request: Request) -> Response:
         router.plan.auth.check_admin(bearer(request.headers.get("authorization")))
-        return JSONResponse({"reloaded": True, **router.reload()})
+        return await _everywhere(request, workers, {"reloaded": True, **router.reload()})
 
     return [
         Route("/admin/drain", drain, methods=["POST"]),
@@ -37,7 +42,7 @@ def admin_routes(router: Router) -> list[Route]:
     ]
 
 
-async def _set_draining(request: Request, router: Router, *, draining: bool) -> Response:
+async def _set_draining(request: Request, router: Router, *, draining: bool) -> dict[str, Any]:
     router.plan.auth.check_admin(bearer(request.headers.get("authorization")))
     target = _target(await request.body(), max_depth=router.plan.json_depth)
     [(kind, name)] = target.items()
@@ -47,7 +52,17 @@ async def _set_draining(request: Request, router: Router, *, draining: bool) -> 
         draining=draining,
         reason=f"asked through the admin API ({kind} {name})",
     )
-    return JSONResponse({"draining": draining, "backends": [_view(backend) for backend in backends]})
+    return {"draining": draining, "backends": [_view(backend) for backend in backends]}
+
+
+async def _everywhere(request: Request, workers: Peers | None, done: dict[str, Any]) -> Response:
+    """Done here: the same request to the other workers, and how many of them did it too."""
+    if workers is None or not workers.public(request):
+        return JSONResponse(done)
+    headers = {"authorization": request.headers.get("authorization", ""), "content-type": "application/json"}
+    answers = await workers.ask("POST", request.url.path, headers=headers, body=await request.body())
+    summary = workers.summary(sum(answer.status_code == 200 for answer in answers))
+    return JSONResponse({**done, "workers": summary})
 
 
 def _target(body: bytes, *, max_depth: int) -> dict[str, str]:

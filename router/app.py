@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.applications import Starlette
@@ -21,10 +21,14 @@ from router.batch.service import BatchService
 from router.clock import Clock
 from router.config import Settings
 from router.errors import MethodNotAllowed, NotFound, RouterError
+from router.replicas.store import Store
 from router.replies import error_response
 from router.request.headers import bearer
 from router.runtime import Router
 from router.status import status
+
+if TYPE_CHECKING:
+    from router.workers.peers import Peers
 
 
 def create_app(
@@ -34,10 +38,14 @@ def create_app(
     load: Callable[[], Settings] | None = None,
     clock: Callable[[], float] = time.time,
     live_clock: Clock | None = None,
+    workers: Peers | None = None,
+    store: Store | None = None,
 ) -> Starlette:
     """`load` reads the settings again for a reload (SIGHUP, /admin/reload); None: no reloads.
     `clock` is the wall clock of the Batch API's timestamps and expiry (tests move it);
-    `live_clock` the monotonic one of the live state (router.clock)."""
+    `live_clock` the monotonic one of the live state (router.clock). `workers`: the other worker
+    processes (router.workers), for whom /metrics, /router/status and the admin API speak too;
+    `store`: what the state is shared through when it is not the configured Redis."""
     router = Router(
         settings, registry=registry, load=load, clock=live_clock, batches=lambda r: BatchService(r, clock=clock)
     )
@@ -63,7 +71,13 @@ def create_app(
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def prometheus(request: Request) -> Response:
-        return Response(router.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        body = router.metrics.exposition()
+        if workers is not None and workers.public(request):
+            from router.workers.exposition import merge
+
+            others = await workers.ask("GET", "/metrics")
+            body = merge([body, *(answer.content for answer in others if answer.status_code == 200)])
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def models(request: Request) -> Response:
         router.plan.auth.check_client(bearer(request.headers.get("authorization")))
@@ -80,11 +94,13 @@ def create_app(
 
     async def router_status(request: Request) -> Response:
         view = status(router.plan, router.pools, router.speeds, now=router.clock.now())
+        if workers is not None and workers.public(request):
+            view = await workers.status(view, store)
         return JSONResponse({**view, "batches": batches.status()})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        router.replicas.open()
+        router.replicas.open(store)
         await router.discovery.refresh()  # backends found by name, each probed once found
         await asyncio.gather(router.health.check_all(first=True), router.catalog.learn_names())
         tasks = [
@@ -105,6 +121,8 @@ def create_app(
             await asyncio.gather(*tasks, return_exceptions=True)  # ended before their client closes
             await router.transport.aclose()
             await router.replicas.aclose()
+            if workers is not None:
+                await workers.aclose()
             if router.tracer is not None:
                 await router.tracer.aclose()
 
@@ -136,7 +154,7 @@ def create_app(
             Route("/readyz", readyz),
             Route("/metrics", prometheus),
             Route("/router/status", router_status),
-            *admin_routes(router),
+            *admin_routes(router, workers),
             *own,
             # GET and DELETE too: stored responses (and files, batches without the Batch API).
             Route("/v1/{path:path}", _ProxyElsewhere(own, router.pipeline), methods=["GET", "POST", "DELETE"]),

@@ -55,6 +55,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help=f"YAML settings file (default: ${CONFIG_ENV})")
     serve.add_argument("--host", help="listen address (overrides listen.host)")
     serve.add_argument("--port", type=int, help="listen port (overrides listen.port)")
+    serve.add_argument("--workers", type=int, help="worker processes on the port (overrides listen.workers)")
     serve.add_argument(
         "--time-scale", type=float, default=1.0, help="simulated cluster only: run N times faster than real time"
     )
@@ -300,8 +301,15 @@ def _check_config(path: str) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.workers is not None and not 1 <= args.workers <= 64:
+        print("--workers: from 1 to 64", file=sys.stderr)
+        return 2
     if args.config is None and not os.environ.get(CONFIG_ENV):
         from router.demo import serve_cluster
+
+        if (args.workers or 1) > 1:
+            print("--workers needs a configuration (--config): the simulated cluster is one process", file=sys.stderr)
+            return 2
 
         logs.configure(args.log_level, args.log_format or "text")
         asyncio.run(
@@ -318,6 +326,20 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"invalid configuration\n{exc}", file=sys.stderr)
         return 1
     path = args.config
+    workers = args.workers or settings.listen.workers
+    if workers > 1:
+        from router.workers.supervisor import serve_workers
+
+        logs.configure(args.log_level, args.log_format or settings.log.format)
+        return serve_workers(
+            settings,
+            config=path or os.environ[CONFIG_ENV],
+            workers=workers,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            log_format=args.log_format,
+        )
     run_router(
         settings,
         load=lambda: load_settings(path),

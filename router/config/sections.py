@@ -14,6 +14,15 @@ class Listen(Section):
 
     host: str = Field(default="127.0.0.1", description="Address the router listens on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port the router listens on.")
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Worker processes accepting on the port (`SO_REUSEPORT`), each one event loop on one core. "
+        "Past one, a supervisor process shares the client memory, the backends' slots and the requests sent since "
+        "a scrape between them, restarts a worker that dies and aggregates `/metrics` (see Worker processes). "
+        "`specroute serve --workers N` overrides it.",
+    )
     forwarded_allow_ips: list[str] = Field(
         default=["127.0.0.1", "::1"],
         description="Proxies trusted to name the client in `X-Forwarded-For` (and the scheme in "

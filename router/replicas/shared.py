@@ -117,7 +117,7 @@ class Replicas:
         if self._store is None:
             return {"store": "none", "sharing": False}
         return {
-            "store": "redis" if self._config.redis_url else "other",
+            "store": "redis" if self._config.redis_url else "workers",
             "sharing": self.sharing,
             "since_seconds": round(self._clock.now() - self._since, 3),
             "other_replicas": self._others if self.sharing else None,

@@ -1,0 +1,129 @@
+"""`Figures`: what the workers share, kept by the supervisor — the same answers as the replicas'
+Redis scripts (router.replicas.redis), in one process's memory, with no I/O.
+
+Each worker's figures are its own (clients in flight, slots in use, requests sent since its
+reading); a call answers the sum over the other workers. A worker that leaves (its connection
+closed: it ended or died) is forgotten at once. The client peaks are capped at `max_clients`,
+the least recently raised dropped first, so a flood of distinct clients keeps memory bounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from router.backends.engines import Elsewhere
+from router.replicas.store import Claim, ClientShare, View
+
+
+@dataclass(slots=True)
+class _Worker:
+    clients: dict[str, int] = field(default_factory=dict)
+    slots: dict[str, int] = field(default_factory=dict)
+    unread: dict[str, int] = field(default_factory=dict)
+
+
+class Figures:
+    def __init__(self, *, memory: float, max_clients: int, clock: Callable[[], float]) -> None:
+        """`memory`: seconds in which a client's peak halves (classify.client_memory_seconds)."""
+        self._memory = memory
+        self._max_clients = max_clients
+        self._clock = clock
+        self._workers: dict[int, _Worker] = {}
+        self._peaks: dict[str, tuple[float, float]] = {}  # client -> (peak, when); oldest raised first
+
+    def join(self, worker: int) -> None:
+        self._workers[worker] = _Worker()
+
+    def leave(self, worker: int) -> None:
+        self._workers.pop(worker, None)
+
+    @property
+    def workers(self) -> int:
+        return len(self._workers)
+
+    @property
+    def remembered(self) -> int:
+        """Client peaks held now (at most `max_clients`)."""
+        return len(self._peaks)
+
+    def client(self, worker: int, client: str, *, new: int) -> ClientShare:
+        mine = self._workers[worker].clients
+        here = mine.get(client, 0) + new
+        if here > 0:
+            mine[client] = here
+        else:
+            mine.pop(client, None)
+            here = 0
+        elsewhere = sum(w.clients.get(client, 0) for i, w in self._workers.items() if i != worker)
+        return ClientShare(elsewhere, self._peak(client, here + elsewhere), self._backends(worker))
+
+    def claim(self, worker: int, backend: str, *, unread: int, limit: int) -> Claim:
+        own = self._workers[worker]
+        others = [w for i, w in self._workers.items() if i != worker]
+        elsewhere = Elsewhere(
+            sum(w.slots.get(backend, 0) for w in others), sum(w.unread.get(backend, 0) for w in others)
+        )
+        if own.slots.get(backend, 0) + 1 + elsewhere.in_flight > limit:
+            return Claim(False, elsewhere)
+        own.slots[backend] = own.slots.get(backend, 0) + 1
+        own.unread[backend] = unread
+        return Claim(True, elsewhere)
+
+    def ended(
+        self, worker: int, clients: Mapping[str, int], backends: Mapping[str, int], unread: Mapping[str, int]
+    ) -> None:
+        own = self._workers[worker]
+        for table, ended in ((own.clients, clients), (own.slots, backends)):
+            for key, count in ended.items():
+                left = table.get(key, 0) - count
+                if left > 0:
+                    table[key] = left
+                else:
+                    table.pop(key, None)
+        own.unread.update(unread)
+
+    def sync(self, worker: int, clients: Mapping[str, int], backends: Mapping[str, Elsewhere]) -> View:
+        own = self._workers[worker]
+        own.clients = {c: n for c, n in clients.items() if n > 0}
+        own.slots = {b: e.in_flight for b, e in backends.items()}
+        own.unread = {b: e.unread for b, e in backends.items()}
+        self._forget()
+        return View(len(self._workers) - 1, self._backends(worker))
+
+    def _peak(self, client: str, total: int) -> float:
+        if not self._memory:
+            return 0.0
+        now = self._clock()
+        peak = self._faded(client, now)
+        if total > 0 and total >= peak:
+            peak = total
+            self._peaks.pop(client, None)  # re-inserted last: the most recently raised
+            self._peaks[client] = (total, now)
+            while len(self._peaks) > self._max_clients:
+                del self._peaks[next(iter(self._peaks))]
+        return peak
+
+    def _faded(self, client: str, now: float) -> float:
+        if client not in self._peaks:
+            return 0.0
+        peak, when = self._peaks[client]
+        return float(peak * 0.5 ** ((now - when) / self._memory))
+
+    def _forget(self) -> None:
+        """Peaks faded below half a request, from the oldest raised, a few per sync."""
+        now = self._clock()
+        for client in list(self._peaks)[:64]:
+            if self._faded(client, now) >= 0.5:
+                break
+            del self._peaks[client]
+
+    def _backends(self, worker: int) -> dict[str, Elsewhere]:
+        sums: dict[str, Elsewhere] = {}
+        for i, w in self._workers.items():
+            if i == worker:
+                continue
+            for name in w.slots.keys() | w.unread.keys():
+                seen = sums.get(name, Elsewhere(0, 0))
+                sums[name] = Elsewhere(seen.in_flight + w.slots.get(name, 0), seen.unread + w.unread.get(name, 0))
+        return sums
