@@ -61,7 +61,7 @@ async def _everywhere(request: Request, workers: Peers | None, done: dict[str, A
         return JSONResponse(done)
     headers = {"authorization": request.headers.get("authorization", ""), "content-type": "application/json"}
     answers = await workers.ask("POST", request.url.path, headers=headers, body=await request.body())
-    summary = workers.summary(sum(answer.status_code == 200 for answer in answers))
+    summary = workers.summary(sum(answer.status == 200 for answer in answers))
     return JSONResponse({**done, "workers": summary})
 
 

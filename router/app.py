@@ -76,7 +76,7 @@ def create_app(
             from router.workers.exposition import merge
 
             others = await workers.ask("GET", "/metrics")
-            body = merge([body, *(answer.content for answer in others if answer.status_code == 200)])
+            body = merge([body, *(answer.body for answer in others if answer.status == 200)])
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def models(request: Request) -> Response:

@@ -11,14 +11,13 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from router import logs
-from router.config import CONFIG_ENV, ConfigError, Settings, load_settings, masked
+from router.config import CONFIG_ENV, ConfigError, load_settings, masked
 from router.content import CONTENT_KINDS
 
 # The packages of the `tools` extra; a subcommand that misses one says how to install them.
@@ -332,14 +331,17 @@ def _serve(args: argparse.Namespace) -> int:
 
         logs.configure(args.log_level, args.log_format or settings.log.format)
         return serve_workers(
-            settings,
             config=path or os.environ[CONFIG_ENV],
             workers=workers,
-            host=args.host,
-            port=args.port,
+            host=args.host or settings.listen.host,
+            port=settings.listen.port if args.port is None else args.port,
+            memory=settings.classify.client_memory_seconds,
+            max_clients=settings.state.max_clients,
             log_level=args.log_level,
             log_format=args.log_format,
         )
+    from router.server.run import run_router
+
     run_router(
         settings,
         load=lambda: load_settings(path),
@@ -349,28 +351,6 @@ def _serve(args: argparse.Namespace) -> int:
         log_format=args.log_format,
     )
     return 0
-
-
-def run_router(
-    settings: Settings,
-    *,
-    load: Callable[[], Settings] | None = None,
-    host: str | None,
-    port: int | None,
-    log_level: str,
-    log_format: logs.LogFormat | None = None,
-) -> None:
-    from router.app import create_app
-    from router.server.listener import uvicorn_config
-    from router.server.server import RouterServer
-
-    logs.configure(log_level, log_format or settings.log.format)
-    config = uvicorn_config(create_app(settings, load=load), settings, host=host, port=port, log_level=log_level)
-    # Once uvicorn has shut down on SIGINT or SIGTERM it raises the signal again, for the handler
-    # there before it started; with this one, a router that stopped as asked exits with status 0.
-    for stop in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(stop, lambda number, frame: None)
-    RouterServer(config).run()
 
 
 def _sim(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -39,7 +39,7 @@ def free_port() -> int:
 
 @contextmanager
 def serve(
-    config: Path, *, env: Mapping[str, str] | None = None, own_session: bool = False
+    config: Path, *, env: Mapping[str, str] | None = None, own_session: bool = False, args: Sequence[str] = ()
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`specroute serve --config FILE` in its own process, its log beside the file; yields it and
     its URL once it answers. It gets this process's environment but for `SPECROUTE_*`, plus `env`.
@@ -50,7 +50,7 @@ def serve(
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")} | dict(env or {})
     log = (config.parent / "router.log").open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "serve", "--config", str(config), "--port", str(port)],
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(config), "--port", str(port), *args],
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,

@@ -148,6 +148,7 @@ SETTINGS_HOLDERS = {
     "router.cli",
     "router.demo",
     "router.server.listener",
+    "router.server.run",
 }
 
 

@@ -381,6 +381,7 @@ BASE_FOR: dict[str, dict[str, dict[str, str]]] = {
 RESTART: dict[str, Any] = {
     "listen.host": "0.0.0.0",
     "listen.port": 9000,
+    "listen.workers": 4,
     "listen.forwarded_allow_ips": ["*"],
     "timeouts.request_head": 1.0,
     "timeouts.keep_alive": 1.0,

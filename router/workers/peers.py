@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 from starlette.requests import Request
 
 from router.replicas.store import Store, StoreError
@@ -22,7 +24,13 @@ from router.workers.store import SocketStore
 
 logger = logging.getLogger("specroute.workers")
 
-_TIMEOUT = 5.0  # a worker busy with a reload or a full event loop still answers within it
+_TIMEOUT = aiohttp.ClientTimeout(total=5)  # a worker busy with a reload or a full event loop answers within it
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: int
+    body: bytes
 
 
 class Peers:
@@ -30,7 +38,7 @@ class Peers:
         self.index = index
         self.count = count
         self._rundir = rundir
-        self._clients: dict[int, httpx.AsyncClient] = {}
+        self._sessions: dict[int, aiohttp.ClientSession] = {}
 
     def path(self, index: int) -> Path:
         return self._rundir / f"worker-{index}.sock"
@@ -44,7 +52,7 @@ class Peers:
 
     async def ask(
         self, method: str, path: str, *, headers: Mapping[str, str] | None = None, body: bytes = b""
-    ) -> list[httpx.Response]:
+    ) -> list[Answer]:
         """The same request to every other worker; the answers of those that gave one (a worker
         being restarted does not)."""
         answers = await asyncio.gather(
@@ -54,20 +62,21 @@ class Peers:
 
     async def _ask(
         self, index: int, method: str, path: str, headers: Mapping[str, str] | None, body: bytes
-    ) -> httpx.Response | None:
-        client = self._clients.get(index)
-        if client is None:
-            transport = httpx.AsyncHTTPTransport(uds=str(self.path(index)))
-            client = self._clients[index] = httpx.AsyncClient(transport=transport, timeout=_TIMEOUT)
+    ) -> Answer | None:
+        session = self._sessions.get(index)
+        if session is None:
+            connector = aiohttp.UnixConnector(path=str(self.path(index)))
+            session = self._sessions[index] = aiohttp.ClientSession(connector=connector, timeout=_TIMEOUT)
         try:
-            return await client.request(method, "http://worker" + path, headers=headers, content=body)
-        except httpx.HTTPError as exc:
+            async with session.request(method, "http://worker" + path, headers=headers, data=body) as response:
+                return Answer(response.status, await response.read())
+        except (aiohttp.ClientError, TimeoutError) as exc:
             logger.warning("worker %d did not answer %s %s: %r", index, method, path, exc)
             return None
 
     async def aclose(self) -> None:
-        for client in self._clients.values():
-            await client.aclose()
+        for session in self._sessions.values():
+            await session.close()
 
     def summary(self, answered: int) -> dict[str, Any]:
         """What an answer that speaks for all the workers says of them."""
@@ -76,7 +85,8 @@ class Peers:
     async def status(self, view: dict[str, Any], store: Store | None) -> dict[str, Any]:
         """This worker's /router/status with the others' requests in flight and queued added in,
         and the workers' own figures (the shared client memory's size)."""
-        answers = [answer.json() for answer in await self.ask("GET", "/router/status") if answer.status_code == 200]
+        asked = await self.ask("GET", "/router/status")
+        answers = [json.loads(answer.body) for answer in asked if answer.status == 200]
         for other in answers:
             for name, pool in view["pools"].items():
                 theirs = other["pools"].get(name)

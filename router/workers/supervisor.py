@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from router.config import Settings
 from router.workers.figures import Figures
 from router.workers.store import serve_figures
 from router.workers.worker import listening_socket
@@ -35,7 +34,7 @@ _WINDOW = 60.0
 class Supervisor:
     def __init__(
         self,
-        settings: Settings,
+        figures: Figures,
         *,
         config: str,
         workers: int,
@@ -44,7 +43,7 @@ class Supervisor:
         log_level: str,
         log_format: str | None,
     ) -> None:
-        self._settings = settings
+        self._figures = figures
         self._config = config
         self._count = workers
         self._host = host
@@ -57,13 +56,9 @@ class Supervisor:
         self._failed = False
 
     async def run(self) -> int:
-        state = self._settings.state
-        figures = Figures(
-            memory=self._settings.classify.client_memory_seconds, max_clients=state.max_clients, clock=time.monotonic
-        )
         reserved = listening_socket(self._host, self._port, listen=False)
         self._port = reserved.getsockname()[1]
-        server = await serve_figures(str(self._rundir / "figures.sock"), figures)
+        server = await serve_figures(str(self._rundir / "figures.sock"), self._figures)
         loop = asyncio.get_running_loop()
         for stop in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(stop, self._stopping.set)
@@ -119,24 +114,22 @@ class Supervisor:
 
 
 def serve_workers(
-    settings: Settings,
     *,
     config: str,
     workers: int,
-    host: str | None,
-    port: int | None,
+    host: str,
+    port: int,
+    memory: float,
+    max_clients: int,
     log_level: str,
     log_format: str | None,
 ) -> int:
-    supervisor = Supervisor(
-        settings,
-        config=config,
-        workers=workers,
-        host=host or settings.listen.host,
-        port=settings.listen.port if port is None else port,
-        log_level=log_level,
-        log_format=log_format,
-    )
+    """Run `workers` workers of the router configured in the file `config` until told to stop;
+    `memory` and `max_clients`: the shared client peaks' half-life and cap (read at start)."""
     import uvloop
 
+    figures = Figures(memory=memory, max_clients=max_clients, clock=time.monotonic)
+    supervisor = Supervisor(
+        figures, config=config, workers=workers, host=host, port=port, log_level=log_level, log_format=log_format
+    )
     return uvloop.run(supervisor.run())

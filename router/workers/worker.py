@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn_config(app, settings, host=args.host, port=args.port, log_level=args.log_level)
     sockets = [listening_socket(args.host, args.port), private_socket(peers.path(args.index))]
     for stop in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(stop, lambda number, frame: None)  # see router.cli.run_router
+        signal.signal(stop, lambda number, frame: None)  # see router.server.run
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     RouterServer(config).run(sockets=sockets)
 

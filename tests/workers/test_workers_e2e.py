@@ -1,0 +1,230 @@
+"""`specroute serve --workers 2` as its operator runs it: one port, two worker processes, the
+official openai client, fake engines that count what they serve at once.
+
+Each request goes on a connection of its own, so the kernel spreads them over both workers; the
+tests reach each worker alone on its private socket (found in the supervisor's run directory,
+under the test's TMPDIR) to see what each one did.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.conftest import settings_data
+from tests.fake_engine import FakeEngine
+from tests.servers import ServerThread, serve
+from tests.wait import wait_until
+
+pytestmark = pytest.mark.e2e
+
+SLOTS = 3  # per backend, for the workers together
+JOB = 6  # the batch job's requests at once
+ADMIN_KEY = "admin-secret"
+
+
+@dataclass
+class Workers:
+    url: str
+    process: subprocess.Popen[str]
+    rundir: Path
+    fast: FakeEngine
+    team: FakeEngine
+    config: Path
+    log: Path
+
+    def worker(self, index: int) -> httpx.Client:
+        """Worker `index` alone, on its private socket."""
+        transport = httpx.HTTPTransport(uds=str(self.rundir / f"worker-{index}.sock"))
+        return httpx.Client(transport=transport, base_url="http://worker", timeout=10)
+
+    def each(self, path: str) -> list[Any]:
+        answers = []
+        for index in range(2):
+            with self.worker(index) as client:
+                answers.append(client.get(path).json())
+        return answers
+
+    def decisions(self) -> list[Counter[str]]:
+        """Each worker's routing decisions so far, by job class."""
+        counts = []
+        for index in range(2):
+            with self.worker(index) as client:
+                counts.append(decisions(client.get("/metrics").text))
+        return counts
+
+    def wait_sharing(self) -> None:
+        def listening(index: int) -> bool:
+            with socket.socket(socket.AF_UNIX) as probe:
+                return probe.connect_ex(str(self.rundir / f"worker-{index}.sock")) == 0
+
+        def sharing() -> bool:
+            if not all(map(listening, range(2))):
+                return False  # a worker still starting
+            return all(view["shared_state"]["sharing"] for view in self.each("/readyz"))
+
+        wait_until(sharing, timeout=60, message="both workers up and sharing")
+
+    def pids(self) -> set[int]:
+        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
+        return {int(pid) for pid in children}
+
+
+@contextmanager
+def workers(tmp: Path, **overrides: Any) -> Iterator[Workers]:
+    fast = FakeEngine(first_token_delay=0.05, token_delay=0.02)
+    team = FakeEngine(first_token_delay=0.05, token_delay=0.02)
+    with ExitStack() as stack:
+        engines = [stack.enter_context(ServerThread(engine.app())) for engine in (fast, team)]
+        data = settings_data(engines[0].url, engines[1].url, **overrides)
+        for pool in data["pools"].values():
+            for backend in pool["backends"].values():
+                backend["max_concurrency"] = SLOTS
+        data.setdefault("classify", {})["burst_hold_seconds"] = 0.25
+        data["auth"] = {"admin_key_env": "TEST_ADMIN_KEY"}
+        config = tmp / "router.yaml"
+        config.write_text(yaml.safe_dump(data))
+        (tmp / "run").mkdir()
+        env = {"TMPDIR": str(tmp / "run"), "TEST_ADMIN_KEY": ADMIN_KEY}
+        process, url = stack.enter_context(serve(config, env=env, args=["--workers", "2"], own_session=True))
+        [rundir] = (tmp / "run").glob("specroute-workers-*")
+        found = Workers(url, process, rundir, fast, team, config, tmp / "router.log")
+        found.wait_sharing()
+        yield found
+
+
+def ask(url: str, user: str = "alice", *, key: str = "none", tokens: int = 12) -> str:
+    """One streamed request on a connection of its own; the job class the router answered."""
+    with openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="test-model",
+            messages=[{"role": "user", "content": "Sort these rows."}],
+            max_tokens=tokens,
+            stream=True,
+            user=user,
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+        return raw.headers["x-job-type"]
+
+
+def decisions(metrics: str) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for line in metrics.splitlines():
+        if line.startswith("specroute_route_decisions_total{"):
+            counts[line.split('job_class="', 1)[1].split('"', 1)[0]] += int(float(line.rsplit(" ", 1)[1]))
+    return counts
+
+
+def test_a_batch_job_on_both_workers_is_batch_within_the_slots_and_one_scrape_counts_all(tmp_path: Path) -> None:
+    with workers(tmp_path) as cluster:
+        batch: list[str] = []
+        with ThreadPoolExecutor(JOB) as pool:
+            for _ in range(4):
+                batch += pool.map(ask, [cluster.url] * JOB, ["etl"] * JOB)
+        assert batch == ["batch"] * JOB * 4, batch
+        per_worker = cluster.decisions()
+        assert all(seen["batch"] >= 1 for seen in per_worker), per_worker  # the job landed on both
+        # Both together kept each engine within its slots, and the job filled its pool's.
+        assert cluster.team.most_open == SLOTS and cluster.fast.most_open <= SLOTS
+        # One scrape of the port counts every worker's decisions.
+        total = decisions(httpx.get(cluster.url + "/metrics", timeout=10).text)
+        assert total["batch"] == sum(seen["batch"] for seen in per_worker) == JOB * 4
+        status = httpx.get(cluster.url + "/router/status", timeout=10).json()
+        assert status["workers"]["count"] == 2 and status["workers"]["answered"] == 2
+
+
+def test_alone_an_interactive_user_stays_interactive_on_both_workers(tmp_path: Path) -> None:
+    with workers(tmp_path) as cluster:
+        # Connections land on either worker at random: until both have served (2^-31 to fail).
+        for _ in range(32):
+            assert ask(cluster.url, "bob") == "interactive"
+            served = cluster.decisions()
+            if all(seen["interactive"] for seen in served):
+                break
+        assert all(seen["interactive"] for seen in served), served
+
+
+def test_a_killed_worker_is_restarted_and_its_slots_are_freed(tmp_path: Path) -> None:
+    with workers(tmp_path) as cluster:
+        before = cluster.pids()
+        assert len(before) == 2
+        # Hold requests on both workers, then kill one of them mid-stream.
+        with ThreadPoolExecutor(JOB) as pool:
+            held = [pool.submit(ask, cluster.url, "etl", tokens=200) for _ in range(JOB)]
+            wait_until(lambda: cluster.team.open == SLOTS, message="streams under way")
+            victim = min(before)
+            os.kill(victim, signal.SIGKILL)
+            outcomes = Counter(type(f.exception()).__name__ if f.exception() else "ok" for f in held)
+        assert outcomes["ok"] >= 1 and sum(outcomes.values()) == JOB, outcomes
+        wait_until(lambda: len(cluster.pids() - before) == 1 and len(cluster.pids()) == 2, message="a new worker")
+        cluster.wait_sharing()
+        cluster.team.wait_idle()
+        cluster.fast.wait_idle()
+        # The dead worker's slots went with it: a full job is served within the slots again.
+        cluster.team.most_open = cluster.fast.most_open = 0
+        with ThreadPoolExecutor(JOB) as pool:
+            assert list(pool.map(ask, [cluster.url] * JOB, ["etl2"] * JOB))
+        assert cluster.team.most_open <= SLOTS and cluster.fast.most_open <= SLOTS
+        assert cluster.team.most_open + cluster.fast.most_open >= SLOTS
+    assert "restarting it" in cluster.log.read_text()
+
+
+def test_a_flood_of_distinct_client_keys_keeps_the_shared_memory_bounded(tmp_path: Path) -> None:
+    cap = 40
+    with workers(tmp_path, state={"max_clients": cap}, classify={"client_memory_seconds": 600}) as cluster:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda n: ask(cluster.url, key=f"flood-{n}", tokens=1), range(4 * cap)))
+        shared = httpx.get(cluster.url + "/router/status", timeout=10).json()["workers"]["shared"]
+        assert shared == {"workers": 2, "clients_remembered": cap}
+
+
+def test_admin_calls_and_sighup_reach_every_worker(tmp_path: Path) -> None:
+    with workers(tmp_path) as cluster:
+        auth = {"authorization": f"Bearer {ADMIN_KEY}"}
+        drained = httpx.post(cluster.url + "/admin/drain", json={"backend": "fast-1"}, headers=auth, timeout=10)
+        assert drained.status_code == 200 and drained.json()["workers"]["answered"] == 2
+        for view in cluster.each("/router/status"):
+            assert view["pools"]["fast"]["backends"]["fast-1"]["draining"] is True
+        data = yaml.safe_load(cluster.config.read_text())
+        data["routing"] = {"ttft_target": 1.25}
+        cluster.config.write_text(yaml.safe_dump(data))
+        cluster.process.send_signal(signal.SIGHUP)
+        wait_until(
+            lambda: all(view["routing"]["ttft_target"] == 1.25 for view in cluster.each("/router/status")),
+            message="both workers reloaded",
+        )
+
+
+def test_sigterm_drains_every_worker_and_exits_0(tmp_path: Path) -> None:
+    with workers(tmp_path) as cluster:
+        pids = cluster.pids()
+        done: list[str] = []
+        threads = [threading.Thread(target=lambda: done.append(ask(cluster.url, tokens=40))) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: cluster.fast.open >= 2, message="streams under way")
+        cluster.process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert cluster.process.wait(30) == 0
+        for thread in threads:
+            thread.join(10)
+        assert len(done) == 4  # each stream ran to its end
+        assert time.monotonic() - started < 25
+        assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+        assert not cluster.rundir.exists()
