@@ -9,11 +9,11 @@ the least recently raised dropped first, so a flood of distinct clients keeps me
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from router.backends.engines import Elsewhere
-from router.replicas.store import Claim, ClientShare, View
+from router.replicas.store import Ask, Claim, Claims, ClientShare, View
 
 
 @dataclass(slots=True)
@@ -47,40 +47,31 @@ class Figures:
         """Client peaks held now (at most `max_clients`)."""
         return len(self._peaks)
 
-    def client(self, worker: int, client: str, *, new: int) -> ClientShare:
-        mine = self._workers[worker].clients
-        here = mine.get(client, 0) + new
-        if here > 0:
-            mine[client] = here
-        else:
-            mine.pop(client, None)
-            here = 0
-        elsewhere = sum(w.clients.get(client, 0) for i, w in self._workers.items() if i != worker)
-        return ClientShare(elsewhere, self._peak(client, here + elsewhere), self._backends(worker))
+    def client(self, worker: int, client: str, *, here: int) -> ClientShare:
+        elsewhere, peak = self._client(worker, client, here)
+        return ClientShare(elsewhere, peak, self._backends(worker))
 
-    def claim(self, worker: int, backend: str, *, unread: int, limit: int) -> Claim:
+    def claim(self, worker: int, asks: Sequence[Ask]) -> Claims:
         own = self._workers[worker]
         others = [w for i, w in self._workers.items() if i != worker]
-        elsewhere = Elsewhere(
-            sum(w.slots.get(backend, 0) for w in others), sum(w.unread.get(backend, 0) for w in others)
-        )
-        if own.slots.get(backend, 0) + 1 + elsewhere.in_flight > limit:
-            return Claim(False, elsewhere)
-        own.slots[backend] = own.slots.get(backend, 0) + 1
-        own.unread[backend] = unread
-        return Claim(True, elsewhere)
+        claims = []
+        for ask in asks:
+            granted = own.slots.get(ask.backend, 0) + 1 + sum(w.slots.get(ask.backend, 0) for w in others) <= ask.limit
+            if granted:
+                own.slots[ask.backend] = own.slots.get(ask.backend, 0) + 1
+                own.unread[ask.backend] = ask.unread
+            claims.append(Claim(granted, *self._client(worker, ask.client, ask.here)))
+        return Claims(claims, self._backends(worker))
 
     def ended(
         self, worker: int, clients: Mapping[str, int], backends: Mapping[str, int], unread: Mapping[str, int]
     ) -> None:
+        """`clients`: their requests in flight on `worker` now; `backends`: slots ended there."""
         own = self._workers[worker]
-        for table, ended in ((own.clients, clients), (own.slots, backends)):
-            for key, count in ended.items():
-                left = table.get(key, 0) - count
-                if left > 0:
-                    table[key] = left
-                else:
-                    table.pop(key, None)
+        for client, here in clients.items():
+            _set(own.clients, client, here)
+        for backend, ended in backends.items():
+            _set(own.slots, backend, own.slots.get(backend, 0) - ended)
         own.unread.update(unread)
 
     def sync(self, worker: int, clients: Mapping[str, int], backends: Mapping[str, Elsewhere]) -> View:
@@ -90,6 +81,12 @@ class Figures:
         own.unread = {b: e.unread for b, e in backends.items()}
         self._forget()
         return View(len(self._workers) - 1, self._backends(worker))
+
+    def _client(self, worker: int, client: str, here: int) -> tuple[int, float]:
+        """Set the client's requests on `worker`; its requests elsewhere and its peak."""
+        _set(self._workers[worker].clients, client, here)
+        elsewhere = sum(w.clients.get(client, 0) for i, w in self._workers.items() if i != worker)
+        return elsewhere, self._peak(client, here + elsewhere)
 
     def _peak(self, client: str, total: int) -> float:
         if not self._memory:
@@ -127,3 +124,10 @@ class Figures:
                 seen = sums.get(name, Elsewhere(0, 0))
                 sums[name] = Elsewhere(seen.in_flight + w.slots.get(name, 0), seen.unread + w.unread.get(name, 0))
         return sums
+
+
+def _set(table: dict[str, int], key: str, count: int) -> None:
+    if count > 0:
+        table[key] = count
+    else:
+        table.pop(key, None)

@@ -13,11 +13,11 @@ import contextlib
 import itertools
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from router.backends.engines import Elsewhere
-from router.replicas.store import Claim, ClientShare, StoreError, View
+from router.replicas.store import Ask, Claim, Claims, ClientShare, StoreError, View
 from router.workers.figures import Figures
 
 logger = logging.getLogger("specroute.workers")
@@ -46,12 +46,12 @@ async def serve_figures(path: str, figures: Figures) -> asyncio.Server:
 
 def _answer(figures: Figures, worker: int, call: list[Any]) -> bytes:
     match call:
-        case [int() as id_, "client", str() as client, int() as new]:
-            share = figures.client(worker, client, new=new)
+        case [int() as id_, "client", str() as client, int() as here]:
+            share = figures.client(worker, client, here=here)
             answer: list[Any] = [id_, share.in_flight, share.peak, _flat(share.backends)]
-        case [int() as id_, "claim", str() as backend, int() as unread, int() as limit]:
-            claim = figures.claim(worker, backend, unread=unread, limit=limit)
-            answer = [id_, claim.granted, claim.elsewhere.in_flight, claim.elsewhere.unread]
+        case [int() as id_, "claim", list() as asks]:
+            claims = figures.claim(worker, [Ask(*ask) for ask in asks])
+            answer = [id_, [[c.granted, c.in_flight, c.peak] for c in claims.claims], _flat(claims.backends)]
         case [int() as id_, "ended", dict() as clients, dict() as backends, dict() as unread]:
             figures.ended(worker, clients, backends, unread)
             answer = [id_]
@@ -84,16 +84,17 @@ class SocketStore:
         self._waiting: dict[int, asyncio.Future[list[Any]]] = {}
         self._ids = itertools.count()
 
-    async def client(self, client: str, *, new: int) -> ClientShare:
-        match await self._call("client", client, new):
+    async def client(self, client: str, *, here: int) -> ClientShare:
+        match await self._call("client", client, here):
             case [int() as elsewhere, int() | float() as peak, list() as backends]:
                 return ClientShare(elsewhere, float(peak), _backends(backends))
         raise StoreError("a client's figures out of shape")
 
-    async def claim(self, backend: str, *, unread: int, limit: int) -> Claim:
-        match await self._call("claim", backend, unread, limit):
-            case [bool() as granted, int() as n, int() as u]:
-                return Claim(granted, Elsewhere(n, u))
+    async def claim(self, asks: Sequence[Ask]) -> Claims:
+        flat = [[a.backend, a.unread, a.limit, a.client, a.here] for a in asks]
+        match await self._call("claim", flat):
+            case [list() as claims, list() as backends]:
+                return Claims([Claim(bool(g), n, float(p)) for g, n, p in claims], _backends(backends))
         raise StoreError("a claim's answer out of shape")
 
     async def ended(self, clients: Mapping[str, int], backends: Mapping[str, int], unread: Mapping[str, int]) -> None:
