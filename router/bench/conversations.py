@@ -15,7 +15,7 @@ in turn with `X-Route-Pool`, what a load balancer unaware of both pools and cach
 Reported per setting: the first token of first turns and of later turns (p50, p95, worst), the
 later turns' p95 over the first turns', the share of later turns' prompt tokens the engine found
 cached (its usage's `prompt_tokens_details.cached_tokens`), the longest prompt, the turns the
-router sent off the speculative pool (`X-Route-Reason` `spill:…` or `conversation:moved`), how
+router served on the standard pool and its reasons for them (`X-Route-Reason`), how
 often consecutive turns of one conversation changed pools and how often one went out and came
 straight back, and the batch job's throughput. Figures in the target's real time.
 """
@@ -23,6 +23,7 @@ straight back, and the batch job's throughput. Figures in the target's real time
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import random
@@ -90,6 +91,8 @@ class ConversationsResult:
         if first_q["p95"] and later_q["p95"] is not None:
             ratio = later_q["p95"] / first_q["p95"]
         batch_tokens = sum(r.tokens for r in self.batch if r.ok)
+        # Turns the router sent to the standard pool (round robin pins them there: not a spill).
+        spilled = [t.record for t in self.turns if t.record.pool == POOLS[1] and t.record.reason != "pinned"]
         return {
             "turns": len(self.turns),
             "errors": sum(1 for t in self.turns if not t.record.ok),
@@ -98,7 +101,8 @@ class ConversationsResult:
             "later_over_first_p95": ratio,
             "later_cached_share": cached / prompt if prompt else None,
             "longest_prompt": max((r.prompt_tokens for r in later), default=0),
-            "spills": sum(1 for t in self.turns if _spilled(t.record.reason)),
+            "spills": len(spilled),
+            "spill_reasons": dict(collections.Counter(r.reason for r in spilled).most_common()),
             "switches": self.switches(),
             "returns": self.returns(),
             "batch_tokens_per_second": batch_tokens / self.batch_seconds if self.batch_seconds else 0.0,
@@ -121,10 +125,6 @@ class ConversationsResult:
         for turn in self.turns:
             by_user.setdefault(turn.user, []).append(turn)
         return [[t.record.pool for t in sorted(turns, key=lambda t: t.turn)] for turns in by_user.values()]
-
-
-def _spilled(reason: str | None) -> bool:
-    return reason is not None and (reason.startswith("spill:") or reason == "conversation:moved")
 
 
 def _words(rng: random.Random, count: int) -> str:
@@ -226,6 +226,10 @@ def markdown(results: dict[str, ConversationsResult], options: Options, *, ttft_
             f"| {s['switches']} ({s['returns']}) | {s['batch_tokens_per_second']:.0f} "
             f"| {s['errors']} + {s['batch_errors']} batch |"
         )
+    spills = [f"{mode}: {', '.join(f'{r} × {n}' for r, n in s['spill_reasons'].items())}"
+              for mode, s in summaries.items() if s["spills"]]  # fmt: skip
+    if spills:
+        lines += ["", "Turns spilled to the standard pool, by `X-Route-Reason`: " + "; ".join(spills) + "."]
     priced, unpriced = summaries.get("adaptive"), summaries.get("adaptive-unpriced")
     targets = ["", "| target (adaptive, conversations priced) | measured | met |", "|---|---:|:-:|"]
     if priced is not None:
