@@ -17,6 +17,7 @@ format), all on loopback:
                    max_concurrency 1024, queue 4096, every feature on
     specroute-before  the same, from another executable (--specroute-before: a change's base, to
                    measure a change side by side)
+    specroute-workers  the same as specroute, with `--workers 2` (router.workers)
 
 One closed-loop client (scripts/peers_client.py, aiohttp, its own process), two workloads:
 
@@ -44,6 +45,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +65,7 @@ TARGETS = (
     "floor-protocol",
     "specroute",
     "specroute-before",
+    "specroute-workers",
 )
 
 
@@ -152,6 +155,8 @@ class Stack:
                 self.proxy = self._start(self._command(port))
                 ready = "/readyz" if self.target.startswith("specroute") else "/health"
                 wait_until_up(self.url + ready, self.proxy, 60)
+                if self.target == "specroute-workers":
+                    _every_worker(self.url, 2)
         except BaseException:
             self.__exit__()
             raise
@@ -203,7 +208,8 @@ class Stack:
         if self.target.startswith("specroute"):
             executable = self.args.specroute_before if self.target == "specroute-before" else self.args.specroute
             return [executable, "serve", "--config", str(self._specroute_conf()), "--host", "127.0.0.1",
-                    "--port", str(port), "--log-level", self.args.specroute_log_level]  # fmt: skip
+                    "--port", str(port), "--log-level", self.args.specroute_log_level,
+                    *(["--workers", "2"] if self.target == "specroute-workers" else [])]  # fmt: skip
         raise SystemExit(f"unknown target {self.target!r}")
 
     def _nginx_conf(self, port: int) -> Path:
@@ -264,6 +270,20 @@ class Stack:
                   team-b: {{url: "{b}", max_concurrency: 1024}}
             """))  # fmt: skip
         return path
+
+
+def _every_worker(url: str, count: int) -> None:
+    """Wait until each worker answers: else the first measured seconds would go to one."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with (
+            contextlib.suppress(OSError, ValueError),
+            urllib.request.urlopen(url + "/router/status", timeout=5) as answer,
+        ):
+            if json.load(answer).get("workers", {}).get("answered") == count:
+                return
+        time.sleep(0.2)
+    raise SystemExit(f"{url}: not every worker answers")
 
 
 # --- one measurement -----------------------------------------------------------------------
