@@ -213,6 +213,7 @@ class FairnessResult:
     chat: Summary
     agent: Summary
     chat_ttft_p95: float | None
+    later_ttft_p95: float | None  # of the chat users' questions after their first
     agent_token_share: float  # of the tokens delivered to both
     records: list[Record]
 
@@ -241,12 +242,19 @@ async def fairness(target: Target, users: Users, *, agent_in_flight: int = 10) -
     records = load.records
     chat = [r for r in records if r.label == "interactive"]
     agents = [r for r in records if r.label == "agent"]
+    # Each user's first question starts within a think time of the run's start, the next later.
+    later = [r for r in chat if r.start >= users.think_time / target.time_scale]
     chat_tokens = sum(r.tokens for r in chat if r.ok)
     agent_tokens = sum(r.tokens for r in agents if r.ok)
     return FairnessResult(
         chat=Summary.of(chat),
         agent=Summary.of(agents),
-        chat_ttft_p95=percentile([r.ttft for r in chat if r.ok and r.ttft is not None], 0.95),
+        chat_ttft_p95=_ttft_p95(chat),
+        later_ttft_p95=_ttft_p95(later),
         agent_token_share=agent_tokens / (chat_tokens + agent_tokens) if chat_tokens + agent_tokens else 0.0,
         records=records,
     )
+
+
+def _ttft_p95(records: list[Record]) -> float | None:
+    return percentile([r.ttft for r in records if r.ok and r.ttft is not None], 0.95)

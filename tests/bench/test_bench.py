@@ -134,20 +134,26 @@ def test_the_spill_table_sets_adaptive_mode_against_the_references_whatever_the_
     assert row.endswith("| 97% | 0.45 s |")
 
 
-@pytest.mark.e2e  # three simulated speculative engines in turn
-def test_bench_fairness_runs_chat_alone_and_beside_the_agent_both_ways(tmp_path: Path) -> None:
+@pytest.mark.e2e  # four simulated speculative engines in turn
+def test_bench_fairness_runs_chat_alone_and_beside_the_agent_each_way(tmp_path: Path) -> None:
     code = main(
         ["bench", "fairness", "--interactive", "2", "--agent", "4", "--slots", "2", "--duration", "6",
          "--think", "1", "--max-tokens", "16", "--time-scale", str(SCALE), "--out", str(tmp_path)]
     )  # fmt: skip
     assert code == 0
     runs = json.loads((tmp_path / "fairness.json").read_text())["runs"]
-    assert list(runs) == ["chat alone", "with the agent, fair share", "with the agent, first come first served"]
+    assert list(runs) == [
+        "chat alone",
+        "with the agent, fair share",
+        "with the agent, fair order, no room kept",
+        "with the agent, first come first served",
+    ]
     assert runs["chat alone"]["agent"]["requests"] == 0 and runs["chat alone"]["agent_token_share"] == 0
     for name in list(runs)[1:]:
         assert runs[name]["agent"]["requests"] > 0 and runs[name]["agent"]["errors"] == 0
         assert runs[name]["chat"]["requests"] > 0 and runs[name]["chat"]["errors"] == 0
         assert 0 < runs[name]["agent_token_share"] < 1
+        assert runs[name]["later_ttft_p95"] is not None  # two questions each at least
     report = (tmp_path / "report.md").read_text()
     assert "within 1.5× of alone" in report and "at least its fair share" in report
 

@@ -23,6 +23,10 @@ def _queued(cluster: Cluster) -> float:
     return cluster.metric("specroute_queued_requests", pool="fast", job_class="interactive")
 
 
+async def _ask(client: openai.AsyncOpenAI, text: str) -> None:
+    await client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": text}], max_tokens=2)
+
+
 async def _streams(base_url: str, clients: list[tuple[str, int]]) -> dict[str, list[str]]:
     """Streams at the same moment, `count` for each key; the job classes each key's requests got."""
 
@@ -115,15 +119,10 @@ def test_a_contended_pool_admits_a_light_client_before_a_heavy_ones_queue(make_c
             agent = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="sk-agent-1", max_retries=0)
             user = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="sk-user-1", max_retries=0)
 
-            async def ask(client: openai.AsyncOpenAI, text: str) -> None:
-                await client.chat.completions.create(
-                    model="test-model", messages=[{"role": "user", "content": text}], max_tokens=2
-                )
-
             try:
-                agents = [asyncio.create_task(ask(agent, f"agent {n}")) for n in range(10)]
+                agents = [asyncio.create_task(_ask(agent, f"agent {n}")) for n in range(10)]
                 await until(lambda: _queued(cluster) == 8, message="the agent's eight queued")
-                await ask(user, "user")
+                await _ask(user, "user")
                 await asyncio.gather(*agents)
             finally:
                 await agent.close()
@@ -149,19 +148,14 @@ def test_a_heavy_client_leaves_room_for_an_active_light_one(make_cluster: Any) -
             agent = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="sk-agent-1", max_retries=0)
             user = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="sk-user-1", max_retries=0)
 
-            async def ask(client: openai.AsyncOpenAI, text: str) -> None:
-                await client.chat.completions.create(
-                    model="test-model", messages=[{"role": "user", "content": text}], max_tokens=2
-                )
-
             try:
-                await ask(user, "user 1")  # the user is active, and holds nothing
+                await _ask(user, "user 1")  # the user is active, and holds nothing
                 cluster.fast.first_token_delay = 1.0
-                agents = [asyncio.create_task(ask(agent, f"agent {n}")) for n in range(10)]
+                agents = [asyncio.create_task(_ask(agent, f"agent {n}")) for n in range(10)]
                 # Four slots: the agent takes three and waits for the rest with one slot free.
                 await until(lambda: _queued(cluster) == 7, message="seven of the agent's held back")
                 assert cluster.metric("specroute_in_flight_requests", pool="fast", backend="fast-1") == 3
-                await ask(user, "user 2")
+                await _ask(user, "user 2")
                 async with httpx.AsyncClient() as http:
                     view = (await http.get(cluster.router.url + "/router/status")).json()
                 await asyncio.gather(*agents)
