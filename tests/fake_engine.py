@@ -18,7 +18,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -291,7 +291,7 @@ class FakeEngine:
                 at = self._rng.randrange(1, tokens)
                 die_at, stall_at = (at, None) if fault == "die" else (None, at)
             stream = self._stream(answer_id, chat, tokens, usage, die_at=die_at, stall_at=stall_at)
-            return StreamingResponse(stream, media_type="text/event-stream")
+            return _ClosingStream(stream, media_type="text/event-stream")
         self.open += 1
         self.most_open = max(self.most_open, self.open)
         try:
@@ -360,6 +360,21 @@ class FakeEngine:
             if not finished:
                 self.aborted += 1
             self.open -= 1
+
+
+class _ClosingStream(StreamingResponse):
+    """A stream whose generator is closed as soon as the response ends, however it ends. Starlette
+    leaves it suspended when a write fails (the router closed the connection as the engine wrote),
+    to be finalized whenever the garbage collector gets to it; until then `open` counted a request
+    whose connection was long gone (seen in the soak: generators held at a `yield`, no connection)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            body = self.body_iterator
+            if isinstance(body, AsyncGenerator):
+                await body.aclose()
 
 
 def _not_found(message: str) -> JSONResponse:
