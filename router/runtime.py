@@ -46,7 +46,7 @@ from router.routing.learn import SpeedModel
 from router.routing.limits import Limiter
 from router.tracing import Tracer
 from router.traffic import TrafficRecorder
-from router.transport import AiohttpTransport, tls_context
+from router.transport import EngineClient, tls_context
 from router.version import BuildInfo, build_info
 
 logger = logging.getLogger("specroute")
@@ -107,7 +107,7 @@ class Router:
         )
         # One client for everything sent to the engines: requests, scrapes, probes, model lists.
         # Its TLS context trusts nothing until `apply` gives it the configured one.
-        self.transport = AiohttpTransport(connections_per_origin=1, tls=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+        self.transport = EngineClient(connections_per_origin=1, tls=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
         self.clients = Clients(clock=self.clock)
         self.limiter = Limiter()  # its counters outlive a reload
         # What the replicas share (router.replicas): nothing until `apply` names a store.

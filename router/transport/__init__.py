@@ -1,8 +1,6 @@
-"""The engine client: what the router needs of one (base.py) and the one it uses
-(aiohttp_client.py, with aiohttp's private internals it overrides kept in aiohttp_private.py)."""
+"""The engine client: what the router needs of one (base.py) and the one it uses (client.py:
+connections on asyncio protocol callbacks, responses parsed by llhttp, in a keep-alive pool)."""
 
-from router.transport.aiohttp_client import AiohttpTransport
-from router.transport.aiohttp_private import KEEP_ALIVE_SECONDS
 from router.transport.base import (
     ConnectError,
     HeadLimits,
@@ -18,11 +16,13 @@ from router.transport.base import (
     WrongAnswer,
     tls_context,
 )
+from router.transport.client import EngineClient
+from router.transport.pool import KEEP_ALIVE_SECONDS
 
 __all__ = [
     "KEEP_ALIVE_SECONDS",
-    "AiohttpTransport",
     "ConnectError",
+    "EngineClient",
     "HeadLimits",
     "NotSent",
     "ReadTimeout",

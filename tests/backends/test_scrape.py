@@ -21,7 +21,7 @@ from router.clock import Clock, ManualClock, MonotonicClock
 from router.config import Scrape, Settings
 from router.sim.profile import load_profile
 from router.sim.server import create_sim_app
-from router.transport import AiohttpTransport, HeadLimits, Timeouts
+from router.transport import EngineClient, HeadLimits, Timeouts
 from tests.servers import ServerThread
 from tests.wait import until
 
@@ -137,8 +137,8 @@ def _pools_in_front_of(url: str) -> Pools:
     return pools
 
 
-def _scraper(pools: Pools, clock: Clock, config: Scrape) -> tuple[AiohttpTransport, EngineScraper]:
-    upstream = AiohttpTransport(connections_per_origin=64, tls=ssl.create_default_context())
+def _scraper(pools: Pools, clock: Clock, config: Scrape) -> tuple[EngineClient, EngineScraper]:
+    upstream = EngineClient(connections_per_origin=64, tls=ssl.create_default_context())
     scraper = EngineScraper(pools, upstream, clock=clock)
     scraper.configure(config)
     return upstream, scraper

@@ -17,9 +17,8 @@ import uvloop
 import yaml
 
 from router.transport import (
-    KEEP_ALIVE_SECONDS,
-    AiohttpTransport,
     ConnectError,
+    EngineClient,
     HeadLimits,
     ReadTimeout,
     RemoteProtocolError,
@@ -66,8 +65,8 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
     return head + await reader.readexactly(lengths[0] if lengths else 0)
 
 
-def _transport() -> AiohttpTransport:
-    return AiohttpTransport(connections_per_origin=8, tls=ssl.create_default_context())
+def _transport() -> EngineClient:
+    return EngineClient(connections_per_origin=8, tls=ssl.create_default_context())
 
 
 def _timeouts(read: float = 2.0) -> Timeouts:
@@ -271,38 +270,43 @@ async def test_abandoned_response_closes_its_connection() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_reload_that_changes_the_connection_cap_closes_the_old_pool_once_it_is_done() -> None:
-    """A new cap needs a new aiohttp session: the old one serves what is under way, then its
-    pooled connections are closed at once — not left to the keep-alive time, nor kept until exit."""
-    closed: list[int] = []
-    one_closed = asyncio.Event()
+async def test_the_connection_cap_holds_a_request_until_a_connection_is_free_and_a_reload_moves_it() -> None:
+    """At most `connections_per_origin` + 3 (the probes) connections per engine: one more request
+    waits for a connection within its connect timeout, gets one as soon as another's answer is
+    over, and a reload's new cap applies at once."""
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        number = len(accepted)
         while True:
-            try:
-                await read_request(reader)
-            except asyncio.IncompleteReadError:
-                closed.append(number)  # the router closed this connection
-                one_closed.set()
+            request = await read_request(reader)
+            if b"/hold" in request.split(b"\r\n", 1)[0]:
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
+                await writer.drain()
+                await reader.read()  # until the router closes it
                 return
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
             await writer.drain()
 
     async with raw_server(handler) as (url, accepted, _):
-        transport = _transport()
-        before = await _post(transport, url)  # on the first session, not yet read
-        transport.configure(connections_per_origin=16, tls=transport.tls)
-        after = await _post(transport, url)  # a new session, a new connection
-        assert accepted == [1, 1] and closed == [] and transport.in_use == 2
-        assert await before.read(limit=10) == b"ok"
-        await before.aclose()
-        # Closed now, well within the keep-alive time (4 s) that would close it otherwise.
-        await asyncio.wait_for(one_closed.wait(), timeout=KEEP_ALIVE_SECONDS / 2)
-        assert closed == [1]
-        assert await after.read(limit=10) == b"ok"
-        await after.aclose()
-        assert transport.in_use == 0 and closed == [1]  # the new session's connection stays pooled
+        transport = EngineClient(connections_per_origin=1, tls=ssl.create_default_context())
+        held = [await _post(transport, url, "/hold") for _ in range(4)]
+        with pytest.raises(ConnectError):
+            await _post(transport, url, timeouts=Timeouts(connect=0.2, read=2, idle=2))
+        waiting = asyncio.ensure_future(_post(transport, url, timeouts=Timeouts(connect=5, read=2, idle=2)))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and len(accepted) == 4
+        await held.pop().aclose()  # its connection closed: room for a new one
+        answer = await asyncio.wait_for(waiting, 5)
+        assert await answer.read(limit=10) == b"ok"
+        await answer.aclose()  # pooled
+        assert len(accepted) == 5
+        held.append(await _post(transport, url, "/hold"))  # on the pooled connection: the cap again
+        transport.configure(connections_per_origin=2, tls=transport.tls)
+        extra = await _post(transport, url, timeouts=Timeouts(connect=0.2, read=2, idle=2))
+        assert await extra.read(limit=10) == b"ok" and len(accepted) == 6
+        await extra.aclose()
+        for response in held:
+            await response.aclose()
+        assert transport.in_use == 0
         await transport.aclose()
 
 

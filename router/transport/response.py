@@ -1,0 +1,150 @@
+"""`EngineResponse`: one engine response as its connection's `Receiver` hears it, read by the
+request path (router.transport.base.Response).
+
+Body pieces are kept as llhttp handed them over, decoded from any content coding; past
+`_BUFFERED` bytes not yet taken, the connection stops reading until they are. Once the response
+has ended the connection is no longer this response's: nothing here touches it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from router.transport.base import RemoteProtocolError, TooLarge
+from router.transport.connection import EngineConnection
+
+_BUFFERED = 256 * 1024
+_DECODERS: dict[bytes, Callable[[], zlib._Decompress]] = {
+    b"gzip": lambda: zlib.decompressobj(16 + zlib.MAX_WBITS),
+    b"x-gzip": lambda: zlib.decompressobj(16 + zlib.MAX_WBITS),
+    b"deflate": lambda: zlib.decompressobj(),
+}
+
+
+class EngineResponse:
+    def __init__(self, connection: EngineConnection, closed: Callable[[EngineResponse], None]) -> None:
+        self._connection: EngineConnection | None = connection
+        self._closed = closed
+        self.status = 0
+        self.headers: Sequence[tuple[bytes, bytes]] = []
+        self._started = asyncio.get_running_loop().create_future()
+        self._pieces: deque[bytes] = deque()
+        self._size = 0  # bytes in `_pieces`
+        self._waiter: asyncio.Future[None] | None = None
+        self._done = False
+        self._error: TransportError | None = None
+        self._decoder: zlib._Decompress | None = None
+        self._aclosed = False
+
+    async def started(self) -> None:
+        """Returns once the head has arrived; raises the exchange's failure before it."""
+        await self._started
+
+    # -- as the connection's receiver ------------------------------------------------------------
+
+    def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status, self.headers = status, headers
+        coding = (self.header(b"content-encoding") or b"identity").strip().lower()
+        if coding != b"identity":
+            decoder = _DECODERS.get(coding)
+            if decoder is None:
+                self._drop_connection()
+                self.failed(RemoteProtocolError(f"a content coding the router does not read: {coding[:32]!r}"))
+                return
+            self._decoder = decoder()
+        self._started.set_result(None)
+
+    def piece(self, data: bytes) -> None:
+        if self._decoder is not None:
+            try:
+                data = self._decoder.decompress(data)
+            except zlib.error as exc:
+                self._drop_connection()
+                self.failed(RemoteProtocolError(f"the engine's compressed body is corrupt: {exc}"))
+                return
+            if not data:
+                return
+        self._pieces.append(data)
+        self._size += len(data)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+        if self._size > _BUFFERED and self._connection is not None:
+            self._connection.pause()
+
+    def end(self) -> None:
+        self._connection = None
+        if self._decoder is not None and (tail := self._decoder.flush()):
+            self._pieces.append(tail)
+        self._done = True
+        self._wake()
+
+    def failed(self, exc: TransportError) -> None:
+        self._connection = None
+        if self._done:
+            return
+        self._done = True
+        self._error = exc
+        if not self._started.done():
+            self._started.set_exception(exc)
+            self._started.exception()  # retrieved: one never awaited is not an error to log
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _drop_connection(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.close()
+
+    # -- as the request path's Response ------------------------------------------------------------
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
+
+    async def iter_raw(self) -> AsyncIterator[bytes]:
+        pieces = self._pieces
+        while True:
+            if pieces:
+                # What has arrived since the last look, whole: one piece as it came in the common case.
+                data = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
+                pieces.clear()
+                self._size = 0
+                if self._connection is not None:
+                    self._connection.resume()
+                yield data
+            elif self._done:
+                if self._error is not None:
+                    raise self._error
+                return
+            else:
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
+                self._waiter = None
+
+    async def read(self, *, limit: int) -> bytes:
+        declared = self.header(b"content-length")
+        if declared is not None and self._decoder is None and declared.isdigit() and int(declared) > limit:
+            raise TooLarge(f"the response body ({int(declared)} bytes) is over the {limit} byte limit")
+        chunks, size = [], 0
+        async for chunk in self.iter_raw():
+            size += len(chunk)
+            if size > limit:
+                raise TooLarge(f"the response body is over the {limit} byte limit")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def aclose(self) -> None:
+        """Not read to its end: the connection is closed (it cannot carry another request)."""
+        self._drop_connection()
+        self._done = True
+        if not self._aclosed:
+            self._aclosed = True
+            self._closed(self)
