@@ -45,6 +45,7 @@ from router.routing.learn import SpeedModel
 from router.routing.limits import Admitted, Limiter
 from router.routing.policy import Decision
 from router.routing.snapshot import snapshot
+from router.server.uvicorn_private import CLIENT_STREAM, ClientStream
 from router.tracing import RequestSpan, Tracer
 from router.transport import TransportError
 
@@ -89,7 +90,7 @@ class Pipeline:
         assert plan is not None, "Router.apply sets the plan before the app serves"
         arrival = ingress.arrive(scope, self._clock.now())
         incoming: Incoming | None = None
-        request = _Record()
+        request = _Record(scope.get("extensions", {}).get(CLIENT_STREAM))
         if self._tracer is not None:
             request.span = self._tracer.start(arrival)
         try:
@@ -270,6 +271,7 @@ class Pipeline:
             max_event=plan.sse_event_bytes,
             first_token=first_token,
             broken=broken,
+            client=request.client,
         )
 
     def end_all(self) -> None:
@@ -349,9 +351,10 @@ async def _disconnected(receive: Receive) -> None:
 class _Record:
     """What became of one request so far: filled in as it goes, read once at its end."""
 
-    __slots__ = ("attempts", "code", "decision", "limits", "outcome", "progress", "span", "status")
+    __slots__ = ("attempts", "client", "code", "decision", "limits", "outcome", "progress", "span", "status")
 
-    def __init__(self) -> None:
+    def __init__(self, client: ClientStream | None) -> None:
+        self.client = client  # the client's connection, where the router's own listener serves it
         self.span: RequestSpan | None = None
         self.decision: Decision | None = None
         self.attempts: Attempts | None = None

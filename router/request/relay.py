@@ -2,8 +2,11 @@
 
 A stream's bytes go from the upstream socket to the client with nothing in between but one
 `StreamWatch.feed`, which counts tokens, spots the first token and drops the usage chunk the
-router asked for. Once a byte has gone to the client nothing is retried: a stream that breaks
-or goes silent ends with one error event.
+router asked for. Served by the router's own listener, each piece goes in the engine
+connection's callbacks straight to the client's connection (`ClientStream`), with flow control
+by pausing reading on the engine's side; otherwise (an in-process caller) through ASGI `send`.
+Once a byte has gone to the client nothing is retried: a stream that breaks or goes silent ends
+with one error event.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from starlette.types import Send
 
 from router import sse
 from router.request.headers import response_headers
+from router.server.uvicorn_private import ClientStream
 from router.transport import Response, TooLarge, TransportError
 
 
@@ -66,23 +70,60 @@ async def relay_stream(
     max_event: int,
     first_token: Callable[[], float],
     broken: Callable[[TransportError], tuple[int, str | None, bytes]],
+    client: ClientStream | None = None,
 ) -> Outcome:
     """`first_token()` records the first token and returns its time; `broken(exc)` records a
-    failure under way and returns the status and code to log and the error event to end with."""
+    failure under way and returns the status and code to log and the error event to end with;
+    `client`: the client's connection, to write the pieces to directly."""
     watch = sse.StreamWatch(drop_usage_chunk=drop_usage_chunk, max_event=max_event)
     headers = response_headers(response.headers, route_headers)
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     progress.streaming = True
     status, code = response.status, None
     try:
-        async for chunk in response.iter_raw():
-            out = watch.feed(chunk)
-            if watch.saw_content and progress.ttft is None:
-                progress.ttft = first_token()
-            if out:
-                await send({"type": "http.response.body", "body": out, "more_body": True})
+        if client is not None and client.ready():
+            await _pipe(response, client, watch, progress, first_token)
+        else:
+            async for chunk in response.iter_raw():
+                out = watch.feed(chunk)
+                if watch.saw_content and progress.ttft is None:
+                    progress.ttft = first_token()
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
         tail = watch.flush()
     except (TransportError, sse.EventTooLarge) as exc:
         status, code, tail = broken(exc if isinstance(exc, TransportError) else TooLarge(str(exc)))
     await send({"type": "http.response.body", "body": tail, "more_body": False})
     return Outcome(status, code, watch.completion_tokens, sse.prompt_tokens(watch.usage), watch.response_id)
+
+
+async def _pipe(
+    response: Response,
+    client: ClientStream,
+    watch: sse.StreamWatch,
+    progress: Progress,
+    first_token: Callable[[], float],
+) -> None:
+    """The body, piece by piece in the engine connection's callbacks, to the client's connection;
+    the engine is not read while the client takes nothing."""
+
+    def piece(data: bytes) -> None:
+        out = watch.feed(data)
+        if watch.saw_content and progress.ttft is None:
+            progress.ttft = first_token()
+        if out:
+            client.write(out)  # may pause writing, and so reading (flow below)
+
+    def flow(paused: bool) -> None:
+        if paused:
+            response.pause_reading()
+        else:
+            response.resume_reading()
+
+    client.listen(flow)
+    try:
+        if client.paused:
+            response.pause_reading()
+        await response.stream_to(piece)
+    finally:
+        client.listen(None)

@@ -1,6 +1,7 @@
 """`ClientProtocol`: uvicorn's httptools protocol, subclassed to hold clients to the router's
 limits before a request reaches the app (head size and fields, head and write timeouts, the
-connection cap), each refusal answered in OpenAI's error shape. It is the one place that
+connection cap), each refusal answered in OpenAI's error shape; and `ClientStream`, through
+which a stream's body pieces go straight to the client's connection. It is the one place that
 touches uvicorn's internals (uvicorn is pinned to its minor); tests/server/test_uvicorn_private.py
 fails the day a name relied on here changes. Why: docs/architecture.md, "The listener".
 """
@@ -11,11 +12,13 @@ import asyncio
 import contextlib
 import logging
 import socket
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from router.errors import BadRequest, HeadersTooLarge, NoBackendAvailable, RequestTimeout, RouterError
 from router.replies import error_response
@@ -33,6 +36,9 @@ _LINGER_SECONDS = 2.0
 # pauses and `timeouts.client_write` runs, so a client that stops reading is found as soon as its
 # receive buffer is full, not after the megabytes a loopback or LAN socket's send buffer holds.
 _UNSENT_BYTES = 16 * 1024
+
+# The ASGI extension under which a request's scope carries its `ClientStream`.
+CLIENT_STREAM = "specroute.client_stream"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +66,7 @@ class ClientProtocol(HttpToolsProtocol):
         self._head_fields = 0
         self._refusal: RouterError | None = None  # raised in a parser callback, answered after it
         self._refused = False
+        self.flow_listener: Callable[[bool], None] | None = None  # hears writing pause (True) and resume
 
     # -- the connection ------------------------------------------------------------------
 
@@ -130,6 +137,10 @@ class ClientProtocol(HttpToolsProtocol):
             # the new protocol, never to the request: answered, not half-read.
             self._fail(_upgrade_refused())
         super().on_headers_complete()
+        cycle = self.cycle  # made just now for this request
+        if cycle is not None:
+            extensions: dict[str, Any] = cycle.scope.setdefault("extensions", {})
+            extensions[CLIENT_STREAM] = ClientStream(self, cycle)
 
     def _count_head(self, size: int, *, fields: int) -> None:
         self._head_parsed += size
@@ -171,11 +182,15 @@ class ClientProtocol(HttpToolsProtocol):
     def pause_writing(self) -> None:
         # The client is not taking what the router sends: it has client_write seconds to start again.
         super().pause_writing()
+        if self.flow_listener is not None:
+            self.flow_listener(True)
         if self._write_timer is None:
             self._write_timer = self.loop.call_later(self.client_limits.write_seconds, self._write_timed_out)
 
     def resume_writing(self) -> None:
         super().resume_writing()
+        if self.flow_listener is not None:
+            self.flow_listener(False)
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
@@ -213,6 +228,45 @@ class ClientProtocol(HttpToolsProtocol):
             self.loop.call_later(_LINGER_SECONDS, self.transport.close)
         else:
             self.transport.close()
+
+
+class ClientStream:
+    """A chunked response's body written straight to the client's connection, past uvicorn's ASGI
+    `send`: one write per piece, no message, future or task (router.request.relay). Only between
+    the response's start and its last part, which go through `send` as usual, so that uvicorn's
+    own state (a response complete, keep-alive) stays true."""
+
+    __slots__ = ("_cycle", "_protocol")
+
+    def __init__(self, protocol: ClientProtocol, cycle: RequestResponseCycle) -> None:
+        self._protocol = protocol
+        self._cycle = weakref.ref(cycle)  # the cycle's scope holds this: no reference cycle
+
+    def ready(self) -> bool:
+        """Whether the response has started, chunked, and is neither complete nor its client gone."""
+        cycle = self._cycle()
+        return (
+            cycle is not None
+            and cycle.response_started
+            and cycle.chunked_encoding is True
+            and not cycle.response_complete
+            and not cycle.disconnected
+        )
+
+    def write(self, data: bytes) -> None:
+        """One chunk of the body; dropped once the client has gone."""
+        transport, cycle = self._protocol.transport, self._cycle()
+        if cycle is not None and not cycle.disconnected and not transport.is_closing():
+            transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+
+    @property
+    def paused(self) -> bool:
+        """The client has not taken what was written: write no more until `listen` hears it resume."""
+        return self._protocol.flow.write_paused
+
+    def listen(self, listener: Callable[[bool], None] | None) -> None:
+        """`listener(True)` when the client stops taking data, `listener(False)` when it starts again."""
+        self._protocol.flow_listener = listener
 
 
 def _upgrade_refused() -> RouterError:

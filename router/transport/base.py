@@ -15,7 +15,7 @@ per-request `Timeouts` and `HeadLimits`, and the one exception tree (named as in
 from __future__ import annotations
 
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,6 +88,17 @@ class Response(Protocol):
     def iter_raw(self) -> AsyncIterator[bytes]:
         """The body (decoded from chunked transfer and any content coding), as it arrives."""
         ...
+
+    async def stream_to(self, sink: Callable[[bytes], None]) -> None:
+        """Each piece of the body to `sink` as it arrives, in the connection's callbacks (no task
+        or future per piece); returns at the end, raises the failure or what `sink` raised."""
+        ...
+
+    def pause_reading(self) -> None:
+        """Stop reading the body (whoever takes it is not taking more); silence is then not the engine's."""
+        ...
+
+    def resume_reading(self) -> None: ...
 
     async def read(self, *, limit: int) -> bytes:
         """The whole body; TooLarge, without reading on, once it is over `limit` bytes."""

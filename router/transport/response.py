@@ -35,7 +35,8 @@ class EngineResponse:
         self._size = 0  # bytes in `_pieces`
         self._waiter: asyncio.Future[None] | None = None
         self._done = False
-        self._error: TransportError | None = None
+        self._error: Exception | None = None  # a TransportError, or what a sink raised
+        self._sink: Callable[[bytes], None] | None = None  # while `stream_to` runs
         self._decoder: zlib._Decompress | None = None
         self._aclosed = False
 
@@ -67,6 +68,13 @@ class EngineResponse:
                 return
             if not data:
                 return
+        if self._sink is not None:
+            try:
+                self._sink(data)
+            except Exception as exc:  # the sink's to report (an event over its limit): the stream ends
+                self._drop_connection()
+                self.failed(exc)
+            return
         self._pieces.append(data)
         self._size += len(data)
         if self._waiter is not None and not self._waiter.done():
@@ -81,7 +89,7 @@ class EngineResponse:
         self._done = True
         self._wake()
 
-    def failed(self, exc: TransportError) -> None:
+    def failed(self, exc: Exception) -> None:
         self._connection = None
         if self._done:
             return
@@ -128,6 +136,34 @@ class EngineResponse:
                 self._waiter = asyncio.get_running_loop().create_future()
                 await self._waiter
                 self._waiter = None
+
+    async def stream_to(self, sink: Callable[[bytes], None]) -> None:
+        """Each body piece to `sink` as it arrives, called in the connection's callbacks; returns
+        at the body's end, raises its failure (or what `sink` raised)."""
+        if self._pieces:
+            data = b"".join(self._pieces)
+            self._pieces.clear()
+            self._size = 0
+            sink(data)
+        if not self._done:
+            if self._connection is not None:
+                self._connection.resume()
+            self._sink = sink
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._sink = self._waiter = None
+        if self._error is not None:
+            raise self._error
+
+    def pause_reading(self) -> None:
+        if self._connection is not None:
+            self._connection.pause()
+
+    def resume_reading(self) -> None:
+        if self._connection is not None:
+            self._connection.resume()
 
     async def read(self, *, limit: int) -> bytes:
         declared = self.header(b"content-length")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from uvicorn.protocols.http import httptools_impl
+from uvicorn.protocols.http import flow_control, httptools_impl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.server.uvicorn_private import ClientProtocol
@@ -34,7 +34,8 @@ def test_the_methods_client_protocol_overrides_or_calls_exist(name: str) -> None
 
 
 @pytest.mark.parametrize(
-    "attribute", ["self.parser", "self.cycle", "self.transport", "self.loop", "self.server_state", "self.connections"]
+    "attribute",
+    ["self.parser", "self.cycle", "self.transport", "self.loop", "self.server_state", "self.connections", "self.flow"],
 )
 def test_the_state_client_protocol_reads_is_kept_by_uvicorn(attribute: str) -> None:
     assert f"{attribute} =" in SOURCE
@@ -44,3 +45,27 @@ def test_the_parser_calls_back_into_the_protocol() -> None:
     assert "httptools.HttpRequestParser(self)" in SOURCE
     assert "STATUS_LINE" in SOURCE
     assert ClientProtocol.__mro__[1] is HttpToolsProtocol
+
+
+@pytest.mark.parametrize(
+    "attribute",
+    [
+        "self.response_started",
+        "self.chunked_encoding",
+        "self.response_complete",
+        "self.disconnected",
+        "self.flow",
+        "self.scope",
+    ],
+)
+def test_the_state_client_stream_reads_of_a_cycle_is_kept_by_uvicorn(attribute: str) -> None:
+    assert f"{attribute} =" in inspect.getsource(httptools_impl.RequestResponseCycle)
+
+
+def test_a_cycle_writes_a_chunked_body_as_client_stream_does() -> None:
+    # ClientStream writes the pieces between the head and the last part: the same framing, and
+    # the last part (with the terminating chunk) still goes through the cycle's `send`.
+    source = inspect.getsource(httptools_impl.RequestResponseCycle.send)
+    assert 'b"%x\\r\\n" % len(body), body, b"\\r\\n"' in source
+    assert 'b"0\\r\\n\\r\\n"' in source
+    assert "self.write_paused" in inspect.getsource(flow_control)
