@@ -23,6 +23,8 @@ One closed-loop client (scripts/peers_client.py, aiohttp, its own process), two 
 
     paced      128 streams × 64 tokens, 20 ms per token, started over 1.3 s
     saturated  64 streams × 256 tokens, the engines as fast as they can
+    lone       (asked for by name) one stream of 4-token answers, one request after another:
+               the target's CPU per request (`cpu_ms_per_request` in results.json)
 
 Each (workload, target) gets fresh engines and a freshly started target; the targets run in
 turn, in reverse order on every other repetition. Measured: the target's CPU (user + system
@@ -335,6 +337,7 @@ def measure(
             **result,
             "cpu_s": cpu,
             "cpu_per_1000_chunks": None if cpu is None else cpu / chunks * 1000,
+            "cpu_ms_per_request": None if cpu is None or not result["requests"] else cpu / result["requests"] * 1000,
             "engines_cpu_per_1000_chunks": engines_cpu / chunks * 1000,
             "reads_per_chunk": calls[0] / chunks if calls else None,
             "writes_per_chunk": calls[1] / chunks if calls else None,
@@ -374,9 +377,9 @@ def _fmt(values: list[object], spec: str, unit: str = "") -> str:
 
 def table(results: list[dict[str, object]], workloads: list[Workload], targets: list[str]) -> str:
     lines = [
-        "| workload | target | CPU-s per 1,000 chunks | first token p50 | first token p99 | gap p50 | gap p99 "
-        "| chunks/s | errors | peak RSS | idle RSS | client CPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | target | CPU-s per 1,000 chunks | CPU ms per request | first token p50 | first token p99 "
+        "| gap p50 | gap p99 | chunks/s | errors | peak RSS | idle RSS | client CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for workload in workloads:
         for i, target in enumerate(targets):
@@ -391,6 +394,7 @@ def table(results: list[dict[str, object]], workloads: list[Workload], targets: 
             name = f"**{target}**" if target.startswith("specroute") else target
             lines.append(
                 f"| {workload.describe() if i == 0 else ''} | {name} | {_fmt(col('cpu_per_1000_chunks'), '.4f')} "
+                f"| {_fmt(col('cpu_ms_per_request'), '.3f')} "
                 f"| {_fmt(col('ttft_p50_ms'), '.1f', ' ms')} | {_fmt(col('ttft_p99_ms'), '.1f', ' ms')} "
                 f"| {_fmt(col('gap_p50_ms'), '.1f', ' ms')} | {_fmt(col('gap_p99_ms'), '.1f', ' ms')} "
                 f"| {_fmt(col('chunks_per_s'), ',.0f')} | {_fmt(col('errors'), 'd')} "
@@ -433,7 +437,8 @@ def _version(shown: str) -> str:
 def _workloads(args: argparse.Namespace, names: str | None = None) -> list[Workload]:
     paced = Workload("paced", args.paced_streams, args.paced_tokens, args.interval, args.ramp, args.paced_duration)
     saturated = Workload("saturated", args.sat_streams, args.sat_tokens, 0.0, args.sat_ramp, args.sat_duration)
-    return [w for w in (paced, saturated) if w.name in (names or args.workloads).split(",")]
+    lone = Workload("lone", 1, args.lone_tokens, 0.0, 0.0, args.lone_duration)
+    return [w for w in (paced, saturated, lone) if w.name in (names or args.workloads).split(",")]
 
 
 def _default_specroute() -> str:
@@ -458,6 +463,8 @@ def main() -> None:
     parser.add_argument("--sat-tokens", type=int, default=256)
     parser.add_argument("--sat-ramp", type=float, default=0.0)
     parser.add_argument("--sat-duration", type=float, default=6.0)
+    parser.add_argument("--lone-tokens", type=int, default=4, help="lone workload: one stream of short answers")
+    parser.add_argument("--lone-duration", type=float, default=8.0)
     parser.add_argument("--specroute", default=_default_specroute(), help="the specroute executable to measure")
     parser.add_argument("--specroute-before", default=None,
                         help="target specroute-before: another specroute (a change's base)")  # fmt: skip
