@@ -228,3 +228,17 @@ def test_sigterm_drains_every_worker_and_exits_0(tmp_path: Path) -> None:
         assert time.monotonic() - started < 25
         assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
         assert not cluster.rundir.exists()
+
+
+def test_a_crash_loop_stops_every_worker_and_exits_1(tmp_path: Path) -> None:
+    with workers(tmp_path) as cluster:
+        killed: set[int] = set()
+        for _ in range(5):  # the fifth death within a minute is a crash loop
+            wait_until(lambda: len(cluster.pids() - killed) == 2, message="two workers")
+            pids = cluster.pids() - killed
+            victim = min(pids)
+            os.kill(victim, signal.SIGKILL)
+            killed.add(victim)
+        assert cluster.process.wait(30) == 1
+        assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    assert "5 worker deaths within 60 s, stopping every worker" in cluster.log.read_text()
