@@ -233,12 +233,12 @@ def main(args: Any) -> int:
     import sys
     import time
 
-    from router.bench.replay import scaled, span, synthetic
+    from router.bench.replay import bursts, scaled, span, synthetic
     from router.record import read_record
     from router.sim.profile import load_profile
 
     if args.record:
-        entries = sorted(read_record(args.record), key=lambda e: e.at)
+        entries = bursts(read_record(args.record), gap=args.burst_gap)
         if args.record_time_scale != 1:  # recorded in front of a simulator running N times faster
             entries = [recorded_at(e, args.record_time_scale) for e in entries]
         source = f"the record {args.record}"

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from router.bench.load import Job, Load, Record, Target
 from router.content import ContentKind
 from router.record import Served
+
+# How long a burst of arrivals may last (seconds): a steady stream of requests is not one burst.
+BURST_WINDOW = 1.0
 
 
 def scaled(entries: Sequence[Served], *, interactive: float = 1.0, batch: float = 1.0) -> list[Served]:
@@ -36,6 +39,24 @@ def scaled(entries: Sequence[Served], *, interactive: float = 1.0, batch: float 
             at = times[low] + (times[high] - times[low]) * (position - low)
             out.append(replace(mine[low], at=at))
     return sorted(out, key=lambda e: e.at)
+
+
+def bursts(entries: Iterable[Served], *, gap: float, window: float = BURST_WINDOW) -> list[Served]:
+    """The record with each burst's arrivals moved to its first: a burst is a run of arrivals each
+    within `gap` seconds of the one before, and within `window` of the run's first.
+
+    The router stamps a request when it starts handling it. Requests sent at once (a batch job's
+    wave, and whoever sent beside it) are stamped one after another as the router takes them in,
+    spread over as long as that takes; replayed at those stamps, they arrive spread out and the
+    router's intake never backs up, so the ones that waited behind the wave wait no more."""
+    out: list[Served] = []
+    first = previous = -math.inf
+    for entry in sorted(entries, key=lambda e: e.at):
+        if entry.at - previous > gap or entry.at - first > window:
+            first = entry.at
+        previous = entry.at
+        out.append(replace(entry, at=first))
+    return out
 
 
 def span(entries: Sequence[Served]) -> float:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from router.bench.plan import Figures, Outcome, Split, recommend, splits
-from router.bench.replay import _job, scaled, synthetic
+from router.bench.replay import _job, bursts, scaled, synthetic
 from router.cli import main
 from router.record import Served
 from router.sim.profile import load_profile
@@ -41,6 +41,17 @@ def test_scaling_the_record_doubles_or_halves_one_class_over_the_same_span() -> 
     halved = scaled(record, batch=0.5, interactive=0)
     assert [e.at for e in halved] == [0.0, 2.0, 4.0, 6.0, 8.0]
     assert scaled(record) == sorted(record, key=lambda e: e.at)
+
+
+def test_a_burst_the_router_took_in_one_after_another_is_replayed_at_once() -> None:
+    wave = [_entry(0.004 * n) for n in range(124)] + [_entry(0.55, "interactive")]  # stamped over 0.55 s
+    later = [_entry(0.75, "interactive"), _entry(5.0, "interactive")]  # after a pause: as recorded
+    assert [e.at for e in bursts(wave + later, gap=0.1)] == [0.0] * 125 + [0.75, 5.0]
+    stream = [_entry(0.05 * n) for n in range(100)]  # steady, 20 a second: bursts of at most a second
+    moved = bursts(stream, gap=0.1, window=1.0)
+    assert len({e.at for e in moved}) == 5 and max(a.at - b.at for a, b in zip(stream, moved, strict=True)) <= 1.0
+    assert bursts(stream, gap=0) == stream
+    assert [(e.job, e.client) for e in bursts(wave, gap=0.1)] == [(e.job, e.client) for e in wave]
 
 
 def test_a_synthetic_mix_has_the_requests_asked_for() -> None:
