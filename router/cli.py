@@ -107,10 +107,7 @@ def _plan_parser(commands: Any) -> None:
         "--record-time-scale", type=float, default=1.0,
         help="the record was made in front of a simulator running N times faster than real time",
     )  # fmt: skip
-    plan.add_argument(
-        "--burst-gap", type=float, default=0.1,
-        help="arrivals this close (seconds) were sent together: replayed at the first of them (0: as stamped)",
-    )  # fmt: skip
+    plan.add_argument("--burst-gap", type=float, default=0.1, help="arrivals this close (s): replayed as one burst")
     plan.add_argument("--nodes", type=int, default=8, help="nodes to split between the two pools")
     plan.add_argument("--fast", default="fast", help="profile of the speculative engine (name or YAML, `sim fit`)")
     plan.add_argument("--team", default="team", help="profile of the standard engine")
