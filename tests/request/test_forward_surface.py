@@ -395,7 +395,14 @@ def test_a_queued_pinned_request_is_turned_away_at_once_when_its_backend_is_drai
             "backends": {"fast-1": {"max_concurrency": 1}, "fast-2": {"max_concurrency": 1}},
         }
     }
-    settings = {"pools": pools, "routing": {"mode": "static"}, "health": {"interval": 60.0}}
+    # The SDK's key and the plain requests are two clients: no room kept for the first, or the
+    # second plain request would wait beside a free slot (router.backends.share).
+    settings = {
+        "pools": pools,
+        "routing": {"mode": "static"},
+        "health": {"interval": 60.0},
+        "fairness": {"keep_room": False},
+    }
     with make_cluster(fast_backends=2, auth={"admin_key_env": "SPECROUTE_TEST_ADMIN_KEY"}, **settings) as cluster:
         client = _client(cluster)
         made = _on_fast_2(cluster, lambda: client.responses.create(model=MODEL, input="hi"))
