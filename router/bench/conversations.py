@@ -159,6 +159,7 @@ async def conversations(
                 headers=pinned(),
                 messages=tuple(messages),
                 keep_text=True,
+                api_key=f"conversation-{number}",  # a client of its own, not the batch job's
             )
             record = await load.request(job)
             result.turns.append(Turn(number, turn, record))
@@ -169,7 +170,12 @@ async def conversations(
             await asyncio.sleep(options.think / target.time_scale)
 
     async def batch_request() -> None:
-        job = Job(max_tokens=options.batch_tokens, label="batch", headers={"X-Job-Type": "batch", **pinned()})
+        job = Job(
+            max_tokens=options.batch_tokens,
+            label="batch",
+            headers={"X-Job-Type": "batch", **pinned()},
+            api_key="batch-job",
+        )
         result.batch.append(await load.request(job))
 
     async def batch_job(done: asyncio.Event) -> None:

@@ -173,3 +173,5 @@ def test_bench_conversations_sends_the_context_and_the_answers_back(tmp_path: Pa
     assert run["longest_prompt"] > 3_000 + 2 * (50 + 48)
     # All but each new message and the last block of the answer before it.
     assert run["later_cached_share"] > 0.9
+    # Each user is a client of its own: not one client with the batch job's requests in flight.
+    assert "client-in-flight" not in run["spill_reasons"]
