@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -82,7 +83,8 @@ class Supervisor:
                 sys.executable,
                 "-m",
                 "router.workers.worker",
-                *("--index", str(index), "--workers", str(self._count), "--rundir", str(self._rundir)),
+                *("--index", str(index), "--supervisor", str(os.getpid()), "--workers", str(self._count)),
+                *("--rundir", str(self._rundir)),
                 *("--config", self._config, "--host", self._host, "--port", str(self._port), *self._log),
             )
             if self._stopping.is_set():

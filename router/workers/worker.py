@@ -13,11 +13,15 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from router import logs
 from router.config import load_settings
 from router.workers.peers import Peers
 from router.workers.store import SocketStore
+
+if TYPE_CHECKING:
+    from router.server.server import RouterServer
 
 
 def listening_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:
@@ -44,16 +48,21 @@ def private_socket(path: Path) -> socket.socket:
     return sock
 
 
-def _watch_parent(parent: int) -> None:
-    """A worker whose supervisor is gone (killed) stops as if it were told to."""
-    while os.getppid() == parent:
+def _stop_when_asked(server: RouterServer, supervisor: int, asked: threading.Event) -> None:
+    """Stop the worker through uvicorn's own SIGTERM once it serves, if a stop signal came while it
+    was starting (before uvicorn took the signals over) or its supervisor is gone (killed, perhaps
+    before this worker even started: its parent is then no longer `supervisor`)."""
+    while not asked.is_set() and os.getppid() == supervisor:
         time.sleep(1)
+    while not server.started:
+        time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="specroute worker")
     parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--supervisor", type=int, required=True, help="the supervisor's process id")
     parser.add_argument("--workers", type=int, required=True)
     parser.add_argument("--rundir", required=True)
     parser.add_argument("--config", required=True)
@@ -76,10 +85,12 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(settings, load=lambda: load_settings(args.config), workers=peers, store=store)
     config = uvicorn_config(app, settings, host=args.host, port=args.port, log_level=args.log_level)
     sockets = [listening_socket(args.host, args.port), private_socket(peers.path(args.index))]
-    for stop in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(stop, lambda number, frame: None)  # see router.server.run
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    RouterServer(config).run(sockets=sockets)
+    server = RouterServer(config)
+    asked = threading.Event()
+    for stop in (signal.SIGINT, signal.SIGTERM):  # until uvicorn's handlers, and after (router.server.run)
+        signal.signal(stop, lambda number, frame: asked.set())
+    threading.Thread(target=_stop_when_asked, args=(server, args.supervisor, asked), daemon=True).start()
+    server.run(sockets=sockets)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -242,3 +243,40 @@ def test_a_crash_loop_stops_every_worker_and_exits_1(tmp_path: Path) -> None:
         assert cluster.process.wait(30) == 1
         assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
     assert "5 worker deaths within 60 s, stopping every worker" in cluster.log.read_text()
+
+
+def _lone_worker(tmp: Path, supervisor: int) -> subprocess.Popen[str]:
+    """A worker started as the supervisor starts one, naming `supervisor` (its parent is this test)."""
+    config = tmp / "router.yaml"
+    config.write_text(yaml.safe_dump(settings_data("http://127.0.0.1:9", "http://127.0.0.1:9")))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = ["--index", "0", "--supervisor", str(supervisor), "--workers", "1", "--rundir", str(tmp)]
+    args += ["--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    with (tmp / "worker.log").open("w") as log:  # the worker has its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", "router.workers.worker", *args], stdout=log, stderr=log, text=True
+        )
+
+
+def test_a_worker_whose_supervisor_died_before_it_started_stops_once_it_serves(tmp_path: Path) -> None:
+    # The supervisor killed while it restarted a worker: the new worker's parent is already gone.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    worker = _lone_worker(tmp_path, supervisor=gone.pid)
+    try:
+        assert worker.wait(timeout=60) == 0
+    finally:
+        worker.kill()
+    assert "Application startup complete" in (tmp_path / "worker.log").read_text()  # it served, then stopped
+
+
+def test_a_stop_signal_while_a_worker_starts_is_not_lost(tmp_path: Path) -> None:
+    worker = _lone_worker(tmp_path, supervisor=os.getpid())
+    time.sleep(0.3)  # importing the app: the signal lands before uvicorn handles signals
+    worker.send_signal(signal.SIGTERM)
+    try:
+        assert worker.wait(timeout=60) in (0, -signal.SIGTERM)  # stopped, as asked, whenever it came
+    finally:
+        worker.kill()
