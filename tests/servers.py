@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -73,7 +75,23 @@ def serve(
         if process.poll() is None:
             process.kill()
         process.wait()
+        if own_session:
+            _end_session(process.pid)
         log.close()
+
+
+def _end_session(leader: int) -> None:
+    """Whatever the router left in its session once it is gone (its worker processes stop on their
+    own when their supervisor dies: tests/workers holds that), killed if still there after 30 s."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(leader, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(leader, signal.SIGKILL)
 
 
 class ServerThread:

@@ -30,7 +30,7 @@ import yaml
 
 from tests.conftest import settings_data
 from tests.fake_engine import FakeEngine
-from tests.servers import ServerThread, serve
+from tests.servers import ServerThread, free_port, serve
 from tests.wait import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -168,7 +168,9 @@ def test_a_killed_worker_is_restarted_and_its_slots_are_freed(tmp_path: Path) ->
         # Hold requests on both workers, then kill one of them mid-stream.
         with ThreadPoolExecutor(JOB) as pool:
             held = [pool.submit(ask, cluster.url, "etl", tokens=200) for _ in range(JOB)]
-            wait_until(lambda: cluster.team.open == SLOTS, message="streams under way")
+            # On a busy machine the job's first requests may pass for interactive ones: wherever
+            # they run, a pool's slots are full (what the killed worker held must come back).
+            wait_until(lambda: SLOTS in (cluster.team.open, cluster.fast.open), message="streams under way")
             victim = min(before)
             os.kill(victim, signal.SIGKILL)
             outcomes = Counter(type(f.exception()).__name__ if f.exception() else "ok" for f in held)
@@ -249,9 +251,7 @@ def _lone_worker(tmp: Path, supervisor: int) -> subprocess.Popen[str]:
     """A worker started as the supervisor starts one, naming `supervisor` (its parent is this test)."""
     config = tmp / "router.yaml"
     config.write_text(yaml.safe_dump(settings_data("http://127.0.0.1:9", "http://127.0.0.1:9")))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     args = ["--index", "0", "--supervisor", str(supervisor), "--workers", "1", "--rundir", str(tmp)]
     args += ["--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
     with (tmp / "worker.log").open("w") as log:  # the worker has its own copy
