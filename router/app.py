@@ -17,6 +17,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.admin import admin_routes
+from router.batch.api import batch_routes
 from router.batch.service import BatchService
 from router.clock import Clock
 from router.config import Settings
@@ -143,7 +144,11 @@ def create_app(
         return error_response(exc)
 
     # Before the catch-all: /v1/models[/{id}], and /v1/files and /v1/batches with the Batch API, are the router's own.
-    own = [Route("/v1/models", models), Route("/v1/models/{model:path}", model), *batches.routes()]
+    own = [
+        Route("/v1/models", models),
+        Route("/v1/models/{model:path}", model),
+        *(batch_routes(batches) if batches.enabled else []),
+    ]
     app = _RouterApp(
         proxy=router.pipeline,
         own=own,

@@ -57,9 +57,8 @@ DRIVERS = ("psycopg", "psycopg_pool")
 # dnspython (specroute[dns]) by the resolver of SRV records and chosen nameservers, OpenTelemetry
 # (specroute[otel]) by the tracer.
 EXTRAS = {"dns": "router.backends.nameservers", "opentelemetry": "router.otel"}
-# The one cycle left, for type checking only: the Batch API's routes take the service that
-# mounts them. Within one subpackage; nothing outside it is caught in it.
-KNOWN_CYCLES = {("router.batch.api", "router.batch.service")}
+# None, not even for type checking: the app mounts the Batch API's routes on the service they take.
+KNOWN_CYCLES: set[tuple[str, str]] = set()
 
 
 def _name(path: Path) -> str:

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from router.batch.api import batch_routes
 from router.batch.metrics import BatchMetrics
 from router.batch.runner import Runner
 from router.batch.sqlite import SqliteStore
@@ -20,8 +19,6 @@ from router.config import Batch as BatchConfig
 from router.errors import NoBackendAvailable
 
 if TYPE_CHECKING:
-    from starlette.routing import BaseRoute
-
     from router.runtime import Router
 
 
@@ -74,8 +71,10 @@ class BatchService:
     def now(self) -> int:
         return int(self._clock())
 
-    def routes(self) -> list[BaseRoute]:
-        return batch_routes(self) if self._enabled else []
+    @property
+    def enabled(self) -> bool:
+        """Whether the Files and Batches endpoints are served (router.batch.api mounts them)."""
+        return self._enabled
 
     async def start(self) -> None:
         """Open the store and run every batch left unfinished, by this router or a previous one.
