@@ -4,9 +4,9 @@ Each step, in the order vLLM's scheduler works:
 1. Admit waiting requests in arrival order while there is a sequence slot and their whole
    KV reservation (prompt + max tokens + the profile's overhead) fits. The first that does
    not fit blocks the ones behind it (FIFO), which is what makes the note's fast setup stall
-   at 23 requests. An admitted request starts from the leading blocks of its prompt that the
-   prefix cache holds (router.sim.cache); cached blocks nobody holds fill the free KV space and
-   are evicted as reservations take it.
+   at 23 requests; a request alone runs whatever it reserves. An admitted request starts from
+   the leading blocks of its prompt that the prefix cache holds (router.sim.cache); cached
+   blocks nobody holds fill the free KV space and are evicted as reservations take it.
 2. Every decoding sequence takes its tokens for the step (k+1 verified with speculation, else 1);
    what is left of the step's token budget prefills the uncached part of admitted prompts, in
    chunks.
@@ -192,8 +192,8 @@ class Engine:
         while self.waiting and len(self.running) < self.profile.max_num_seqs:
             request = self.waiting[0]
             need = self._reservation(request)
-            if self.reserved + need > capacity:
-                return
+            if self.reserved + need > capacity and self.running:
+                return  # alone, a request runs whatever its reservation: as vLLM, never stuck waiting
             self.waiting.popleft()
             self.reserved += need
             self.running.append(request)

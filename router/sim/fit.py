@@ -160,7 +160,12 @@ def _speculation(measured: list[Sweep], base: Profile, notes: list[str]) -> Spec
 
 def _running_cap(measured: list[Sweep]) -> int | None:
     """How many requests ran at once in rounds that had others waiting, or None if none waited."""
-    from_engine = [int(r.engine["peak_running"]) for s in measured for r in s.rounds if r.engine and s.waited(r)]
+    from_engine = [
+        int(r.engine["peak_running"])
+        for s in measured
+        for r in s.rounds
+        if r.engine and int(r.engine.get("peak_running", 0)) > 0 and s.waited(r)
+    ]  # a reading that saw nothing running (a round too short for it) says nothing of the cap
     if from_engine:
         return max(from_engine)
     estimates = []

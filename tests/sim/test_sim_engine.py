@@ -39,6 +39,23 @@ def test_admission_is_fifo_and_bounded_by_kv(fast: Profile) -> None:
     assert requests[23] in engine.running and requests[24] in engine.waiting
 
 
+def test_a_request_larger_than_the_kv_cache_runs_alone_and_is_never_stuck(team: Profile) -> None:
+    """A reservation beyond the whole cache (a fitted profile's overhead can be one) waits for the
+    others to finish, then runs alone: a FIFO never waits on a request that can never fit."""
+    engine = Engine(team.model_copy(update={"kv_overhead_tokens": team.kv_cache_tokens}))
+    first, second = (
+        engine.add(f"r{i}", prompt_tokens=10, max_tokens=4, kind="prose", ignore_eos=True) for i in range(2)
+    )
+    engine.step()
+    assert engine.running == [first] and list(engine.waiting) == [second]
+    for _ in range(100):
+        if not engine.busy:
+            break
+        engine.step()
+    assert first.finished_at is not None and second.finished_at is not None
+    assert second.scheduled_at is not None and first.finished_at <= second.scheduled_at
+
+
 def test_max_num_seqs_bounds_running(team: Profile) -> None:
     engine = Engine(team.model_copy(update={"max_num_seqs": 5}))
     for i in range(8):
