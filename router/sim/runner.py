@@ -3,7 +3,8 @@
 Simulated time runs `time_scale` times faster than the wall clock: a step the model says
 lasts 30 ms is slept for 30/scale ms. Figures read off the wall clock are multiplied back by
 the scale (`specroute bench --time-scale`). If this process cannot keep up, the lag is
-exported (`specroute_sim_lag_seconds`) rather than hidden.
+exported (`specroute_sim_lag_seconds`) rather than hidden, and the runner still yields after
+every step, so that the server keeps taking requests and answering `/metrics` meanwhile.
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ class EngineRunner:
             emissions = self.engine.step()
             delay = self._wall_time(self.engine.now) - loop.time()
             self.lag = max(0.0, -delay)
-            if delay > 0:
-                await asyncio.sleep(delay)
+            # Behind the wall clock too, it yields: else it would step to the end of every request
+            # before the server reads another one or answers `/metrics` (a busy machine's case).
+            await asyncio.sleep(max(0.0, delay))
             for emission in emissions:
                 generation = self._generations.get(emission.request)
                 if generation is None:
