@@ -41,6 +41,8 @@ TOLERANCE = 0.15
 # A first token this close to the measured one (seconds of wall clock, times the sweep's time scale)
 # is right whatever the share: below it, the client's own path (HTTP, tokenizing) dominates.
 TTFT_ALLOWANCE = 0.05
+# Guesses per step that no engine's drafter makes: counters saying more are no reading of one engine.
+MAX_GUESSES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +135,10 @@ def accepted_chance(mean_accepted: float, k: int) -> float:
 
 
 def _speculation(measured: list[Sweep], base: Profile, notes: list[str]) -> Speculation | None:
-    engine = [(s.kind, r.engine) for s in measured for r in s.rounds if r.engine is not None]
+    read = [(s.kind, r.engine) for s in measured for r in s.rounds if r.engine is not None]
+    engine = [(kind, e) for kind, e in read if _counted(e)]
+    if len(engine) < len(read):
+        notes.append(f"speculation: {len(read) - len(engine)} rounds' counters left out (went back, or do not add up)")
     if not engine:
         notes.append("speculation: the base profile's (no engine metrics in the sweep)")
         return base.speculation
@@ -158,6 +163,13 @@ def _speculation(measured: list[Sweep], base: Profile, notes: list[str]) -> Spec
     return Speculation(num_tokens=k, draft_s=0.0, draft_token_s=0.0, accepted_token_s=0.0, acceptance=acceptance)
 
 
+def _counted(engine: dict[str, Any]) -> bool:
+    """Whether a round's speculation counters are one engine's: none went back, a draft guessed
+    1 to `MAX_GUESSES` tokens (10⁷ took the fit hours), none accepted beyond those guessed."""
+    drafts, guessed, accepted = (float(engine.get(name, 0.0)) for name in ("drafts", "draft_tokens", "accepted_tokens"))
+    return 0 <= accepted <= guessed and drafts <= guessed <= MAX_GUESSES * drafts
+
+
 def _running_cap(measured: list[Sweep]) -> int | None:
     """How many requests ran at once in rounds that had others waiting, or None if none waited."""
     from_engine = [
@@ -174,7 +186,12 @@ def _running_cap(measured: list[Sweep]) -> int | None:
             if s.waited(r) and r.worst_ttft:
                 waves = max(1, round(r.worst_ttft / (s.answer_tokens / r.per_user_tps)))
                 estimates.append(max(1, round(r.users / (waves + 1))))
-    return round(statistics.median(estimates)) if estimates else None
+    if not estimates:
+        return None
+    # Never fewer than an engine reading saw running at once; as many as the largest round: no cap.
+    seen = max((int(r.engine.get("peak_running", 0)) for s in measured for r in s.rounds if r.engine), default=0)
+    running = max(round(statistics.median(estimates)), seen)
+    return None if running >= max(r.users for s in measured for r in s.rounds) else running
 
 
 def _with_cap(profile: Profile, running: int | None, measured: list[Sweep]) -> Profile:
