@@ -328,6 +328,12 @@ class _LiveState(Collector):
             "others were active (fairness.keep_room).",
             labels=["pool"],
         )
+        newcomers = CounterMetricFamily(
+            "specroute_newcomer_requests",
+            "Requests admitted over a backend's max_concurrency: their client held no slot in the pool, every slot "
+            "was taken, and the engine showed KV room (fairness.newcomer_slots).",
+            labels=["pool"],
+        )
         now = self._clock.now()
         config = self.config
         standard = [b.name for pool in self._pools if not pool.speculative for b in pool.backends]
@@ -367,6 +373,7 @@ class _LiveState(Collector):
             for job in JOB_CLASSES:
                 queued.add_metric([pool.name, job], pool.queued(job))
             held_back.add_metric([pool.name], pool.held_back)
+            newcomers.add_metric([pool.name], pool.newcomers.admitted)
             named, others = pool.shares(self.top_clients)
             for client, slots in named:
                 client_slots.add_metric([pool.name, client_hash(client)], slots)
@@ -379,6 +386,7 @@ class _LiveState(Collector):
             gone,
             queued,
             held_back,
+            newcomers,
             running,
             waiting,
             kv,

@@ -200,6 +200,8 @@ class Router:
         resolver = _resolver(settings)
         for name in self.pools.configure(settings.pools, settings.health, settings.fairness):
             self._forget(name)
+        for pool in self.pools:
+            pool.newcomers.configure(settings.fairness, settings.routing, settings.scrape)
         self.discovery.configure(settings.pools, settings.discovery, settings.health, resolver)
         # A drained backend configured anew (another URL or pool) is a new backend, not drained.
         now = {backend.name: backend for backend in self.pools.backends()}
@@ -284,13 +286,16 @@ def _log_drain(backend: Backend, reason: str) -> None:
 
 
 def _connections_per_origin(settings: Settings, pools: Pools) -> int:
-    """As many connections to an engine as requests may be admitted to it (backends sharing an
-    origin add up; one found by name has an origin of its own)."""
+    """As many connections to an engine as requests may be admitted to it, newcomers over its cap
+    included (backends sharing an origin add up; one found by name has an origin of its own)."""
+    over = settings.fairness.newcomer_slots if settings.fairness.fair_share else 0
     per_origin: dict[str, int] = {}
     for backend in pools.backends():
         origin = str(URL(backend.url).origin())
-        per_origin[origin] = per_origin.get(origin, 0) + backend.max_concurrency
-    found = [b.max_concurrency for p in settings.pools.values() for b in p.backends.values() if b.discover != "none"]
+        per_origin[origin] = per_origin.get(origin, 0) + backend.max_concurrency + over
+    found = [
+        b.max_concurrency + over for p in settings.pools.values() for b in p.backends.values() if b.discover != "none"
+    ]
     return max([*per_origin.values(), *found], default=1)
 
 

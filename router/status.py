@@ -51,6 +51,8 @@ def _shares(pool: Pool, top: int) -> dict[str, Any]:
         "keep_room": pool.fair_share and pool.active.keep_room,
         "active_clients": len(pool.active),
         "held_back": pool.held_back,
+        "newcomer_slots": pool.newcomers.slots if pool.fair_share else 0,
+        "newcomers_admitted": pool.newcomers.admitted,
         "top": [
             {"client": client_hash(client), "slots": slots, "share": round(slots / held, 4)} for client, slots in named
         ],

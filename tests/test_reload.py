@@ -261,6 +261,7 @@ RELOADABLE: dict[str, tuple[Any, Observe | WithEngine]] = {
     "fairness.fair_share": (False, lambda r: r.pools["fast"].fair_share),
     "fairness.keep_room": (False, lambda r: r.pools["fast"].active.keep_room),
     "fairness.active_window": (5.0, lambda r: r.pools["fast"].active.window),
+    "fairness.newcomer_slots": (9, lambda r: r.pools["fast"].newcomers.slots),
     "fairness.top_clients": (3, lambda r: r.plan.top_clients),
     "fairness.groups.*.keys_env": ("SPECROUTE_TEST_CLIENT_KEYS", lambda r: r.plan.groups.of("client-key")),
     "fairness.groups.*.weight": (3.0, lambda r: r.plan.groups.weight("g")),

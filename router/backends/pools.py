@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from router.backends.backend import Backend
+from router.backends.newcomers import Newcomers
 from router.backends.share import Activity
 from router.clock import Clock, MonotonicClock
 from router.config import Fairness, JobClass
@@ -42,6 +43,7 @@ class _Waiter:
     client: str  # who sent it (router.routing.clients.client_id)
     weight: float  # its client's share of the slots against others' (fairness.groups)
     order: int  # arrival order in the pool
+    tokens: int | None = None  # what it holds of the KV cache at its end, estimated (router.content)
     held_back: bool = False  # it waited for room kept for others (router.backends.share)
 
 
@@ -67,6 +69,7 @@ class Pool:
         self.held: dict[str, int] = {}  # slots held per client, for those holding one
         self.active = Activity(clock if clock is not None else MonotonicClock())
         self.held_back = 0  # requests that waited for room kept for others, ever
+        self.newcomers = Newcomers()  # room over the cap for clients holding no slot
         self._recheck: asyncio.TimerHandle | None = None  # a `wake` when the next client goes inactive
         self._arrivals = itertools.count()
         self.mean_duration: float | None = None  # seconds a request takes here, a running mean (None: none yet)
@@ -107,13 +110,15 @@ class Pool:
         exclude: frozenset[str] = frozenset(),
         only: str | None = None,
         prefer: str | None = None,
+        tokens: int | None = None,
     ) -> Backend:
         """`client` and `weight`: who asks, for fair share. `exclude`: backends a retry must not
         go back to (none free among the others: fails at once). `only`: the one backend that may
         serve the request (router.affinity); it waits in the queue for a slot there, bounded like
         any other, while the others keep flowing. `prefer`: the backend to take when it has a
         free slot now (its prompt's prefix is cached there, router.conversations); else the
-        emptiest. Give the slot back with `release(client=...)`."""
+        emptiest. `tokens`: what the request holds of a KV cache at its end, estimated, for room
+        over the cap (router.backends.newcomers). Give the slot back with `release(client=...)`."""
         if not self.accepting:
             raise self._unavailable()
         if only is not None:
@@ -134,7 +139,7 @@ class Pool:
                     retry_after=self._retry_after(),
                     code="pool_unavailable",
                 )
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), only, client, weight, next(self._arrivals))
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), only, client, weight, next(self._arrivals), tokens)
         queue = self._waiters[job]
         queue.append(waiter)
         # Those ahead may all wait for a full backend of their own: a slot none of them can take
@@ -193,7 +198,8 @@ class Pool:
         pinned to a backend that is full lets the others take another. Once a request that may
         go anywhere finds no slot, nobody else gets one. A client that must leave room for others
         (`_must_wait`) is passed over, and looked at again when a slot frees or a client goes
-        inactive."""
+        inactive. With every slot taken, an interactive request whose client holds none may go
+        over a backend's cap (`newcomers`)."""
         accepting = {b.name for b in self.backends if b.accepting}
         next_inactive = self.active.prune(self.held)
         passed_over = False
@@ -229,9 +235,9 @@ class Pool:
                     else:
                         full.add(waiter.only)
                     continue
-                queue.remove(waiter)
-                self._hold(waiter.client)
-                waiter.future.set_result(backend)
+                self._hand(queue, waiter, backend)
+            if not slots and self.fair_share and queue is self._waiters["interactive"]:
+                self._over_cap(queue)
             passed_over = passed_over or bool(waits)
         if self._recheck is not None:
             self._recheck.cancel()
@@ -239,6 +245,21 @@ class Pool:
         if passed_over and next_inactive is not None:
             delay = max(0.0, next_inactive - self.active.clock.now())
             self._recheck = asyncio.get_running_loop().call_later(delay, self.wake)
+
+    def _over_cap(self, queue: list[_Waiter]) -> None:
+        """Past every slot: a client's first request, in arrival order, over a backend's cap where
+        it has room for one (`newcomers`)."""
+        now = self.active.clock.now()
+        for waiter in list(queue):
+            if waiter.client not in self.held:
+                backend = self.newcomers.backend(self.backends, now, tokens=waiter.tokens, only=waiter.only)
+                if backend is not None:
+                    self._hand(queue, waiter, backend)
+
+    def _hand(self, queue: list[_Waiter], waiter: _Waiter, backend: Backend) -> None:
+        queue.remove(waiter)
+        self._hold(waiter.client)
+        waiter.future.set_result(backend)
 
     def _must_wait(self, client: str, weight: float) -> bool:
         """Whether `client` must leave the free slots to other active clients (`active`)."""

@@ -162,6 +162,9 @@ class EngineScraper:
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self._scrape(backend) for backend in self._pools.backends()))
+        for pool in self._pools:
+            if pool.queued("interactive"):
+                pool.wake()  # a reading may show KV room over the cap (router.backends.newcomers)
 
     async def _scrape(self, backend: Backend) -> None:
         config, view = self._config, backend.engine

@@ -284,23 +284,21 @@ def _spill(args: argparse.Namespace, out: Path) -> int:
 
 
 def _fairness(args: argparse.Namespace, out: Path) -> int:
-    """The chat users alone, then beside the agent: fair share, the fair order alone, first come
-    first served; each on a fresh speculative engine whose router has `--slots` slots on it."""
+    """The chat users alone, then beside the agent under each fairness setting, each on a fresh
+    speculative engine whose router has `--slots` slots on it."""
     model = load_profile("fast").model
+    no_newcomers = {"SPECROUTE_FAIRNESS__NEWCOMER_SLOTS": "0"}
     runs: list[tuple[str, int, dict[str, str]]] = [
         ("chat alone", 0, {}),
         ("with the agent, fair share", args.agent, {"SPECROUTE_FAIRNESS__FAIR_SHARE": "true"}),
-        ("with the agent, fair order, no room kept", args.agent, {"SPECROUTE_FAIRNESS__KEEP_ROOM": "false"}),
+        ("with the agent, fair share, no room over the cap", args.agent, no_newcomers),
+        ("with the agent, fair order alone", args.agent, {**no_newcomers, "SPECROUTE_FAIRNESS__KEEP_ROOM": "false"}),
         ("with the agent, first come first served", args.agent, {"SPECROUTE_FAIRNESS__FAIR_SHARE": "false"}),
     ]
     results: dict[str, FairnessResult] = {}
     for label, agent, env in runs:
         console.print(f"[bold]{label}[/]")
-        users = _users(args, count=args.interactive)
-
-        def scenario(target: Target, users: Users = users, agent: int = agent) -> Any:
-            return fairness(target, users, agent_in_flight=agent)
-
+        scenario = functools.partial(fairness, users=_users(args, count=args.interactive), agent_in_flight=agent)
         results[label] = run_on_layout(
             "fast-alone", scenario, model=model, time_scale=args.time_scale, environ=env, slots=args.slots
         )

@@ -242,8 +242,9 @@ async def fairness(target: Target, users: Users, *, agent_in_flight: int = 10) -
     records = load.records
     chat = [r for r in records if r.label == "interactive"]
     agents = [r for r in records if r.label == "agent"]
-    # Each user's first question starts within a think time of the run's start, the next later.
-    later = [r for r in chat if r.start >= users.think_time / target.time_scale]
+    # Each user's first question starts within a think time of the run's start, the next later
+    # (records count simulated seconds, as the think time does).
+    later = [r for r in chat if r.start >= users.think_time]
     chat_tokens = sum(r.tokens for r in chat if r.ok)
     agent_tokens = sum(r.tokens for r in agents if r.ok)
     return FairnessResult(

@@ -68,6 +68,16 @@ class Fairness(Section):
         description="Seconds a client counts as active on a pool after it last asked for or gave back a slot there "
         "(`keep_room`); one holding a slot is active. About the time its users read an answer before asking again.",
     )
+    newcomer_slots: int = Field(
+        default=4,
+        ge=0,
+        le=1024,
+        description="Requests over a backend's `max_concurrency` it may run for interactive requests whose client "
+        "holds no slot in the pool, when every slot is taken: only while the engine's last fresh reading shows KV "
+        "room for one more (below `routing.kv_threshold`) and no other replica uses the backend "
+        "(`specroute_newcomer_requests_total`). A client that took every slot before others asked then does not "
+        "make them wait for one of its requests to end. 0: never over the cap. With `fair_share` only.",
+    )
     top_clients: int = Field(
         default=10,
         ge=0,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from router.backends.backend import Backend
 from router.backends.pools import Pool, Pools
 from router.clock import Clock
+from router.content import request_tokens
 from router.errors import NoBackendAvailable, RouterError, UpstreamError, UpstreamTimeout
 from router.replicas.shared import Replicas
 from router.request.decide import Routed, with_field
@@ -197,6 +198,7 @@ class Forwarder:
                 exclude=exclude,
                 only=routed.backend,
                 prefer=None if route.count else routed.prefer,  # where its prompt's prefix is cached
+                tokens=request_tokens(incoming.payload),
             )
             # A slot the other replicas (router.replicas) took meanwhile is given back, and the
             # request waits for another.

@@ -145,7 +145,8 @@ def test_bench_fairness_runs_chat_alone_and_beside_the_agent_each_way(tmp_path: 
     assert list(runs) == [
         "chat alone",
         "with the agent, fair share",
-        "with the agent, fair order, no room kept",
+        "with the agent, fair share, no room over the cap",
+        "with the agent, fair order alone",
         "with the agent, first come first served",
     ]
     assert runs["chat alone"]["agent"]["requests"] == 0 and runs["chat alone"]["agent_token_share"] == 0
