@@ -69,7 +69,7 @@ class Fairness(Section):
         "(`keep_room`); one holding a slot is active. About the time its users read an answer before asking again.",
     )
     newcomer_slots: int = Field(
-        default=4,
+        default=8,
         ge=0,
         le=1024,
         description="Requests over a backend's `max_concurrency` it may run for interactive requests whose client "
