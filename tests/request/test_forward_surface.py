@@ -310,8 +310,12 @@ def test_a_pinned_request_on_a_full_backend_waits_for_it_and_others_flow_past(ma
     # The owner is busy and its pool has another backend free: the request waits for the owner,
     # never sent to the other, while requests that may go anywhere take the other at once.
     # Health checks far apart: their wake-up of the queue must not be what lets the others past.
+    # The SDK's key and the plain requests are two clients: with room kept for the first (active
+    # for `active_window` after it made the response), the other plain request waited 30 s
+    # beside the free slot, and the test passed only once the window was over.
     pools = {"fast": {"backends": {"fast-1": {"max_concurrency": 1}, "fast-2": {"max_concurrency": 1}}}}
-    with make_cluster(fast_backends=2, pools=pools, routing={"mode": "static"}, health={"interval": 60.0}) as cluster:
+    settings = {"pools": pools, "routing": {"mode": "static"}, "health": {"interval": 60.0}}
+    with make_cluster(fast_backends=2, fairness={"keep_room": False}, **settings) as cluster:
         cluster.fast.name, cluster.more_fast[0].name = "a", "b"
         client = _client(cluster)
         made = _on_fast_2(cluster, lambda: client.responses.create(model=MODEL, input="hi"))
