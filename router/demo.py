@@ -70,6 +70,13 @@ def prior_speeds(profile: Profile, *, time_scale: float = 1.0) -> dict[ContentKi
     }
 
 
+def prefill_rate(profile: Profile) -> float:
+    """Seconds per prompt token a simulated engine prefills alone: each token's own cost, and a
+    full step's fixed cost per chunk of `max_num_batched_tokens` (the router learns the rest)."""
+    step = profile.step
+    return step.prefill_token_s + (step.base_s + step.expert_s) / profile.max_num_batched_tokens
+
+
 def cluster_settings(
     pools: dict[str, tuple[bool, list[str]]],
     *,
@@ -79,9 +86,11 @@ def cluster_settings(
     priors: dict[str, dict[ContentKind, dict[int, float]]] | None = None,
     ttft_target: float = 3.0,
     max_concurrency: int = 256,
+    prefill_token_seconds: float | None = None,
 ) -> Settings:
     """Router settings for pools given as name -> (speculative, engine URLs), with each pool's
-    prior speeds (`priors`, by pool name) if given.
+    prior speeds (`priors`, by pool name) if given, and the engines' prefill rate per prompt token
+    (`prefill_token_seconds`, simulated) assumed until their metrics give it.
 
     The router's clocks follow the simulation's: scraping every simulated second, health checks
     every five, a client remembered for a simulated minute, the first-token target, the age of
@@ -97,6 +106,9 @@ def cluster_settings(
             "acceptance_max_age": 300.0 / time_scale,
         },
         "routing": {"ttft_target": ttft_target / time_scale},
+        "conversations": {}
+        if prefill_token_seconds is None
+        else {"prefill_token_seconds": prefill_token_seconds / time_scale},
         "learn": {"half_life": 600.0 / time_scale},
         "health": {"interval": 5.0 / time_scale},
         "classify": {"client_memory_seconds": 60.0 / time_scale, "burst_hold_seconds": 0.02 / time_scale},
@@ -171,6 +183,7 @@ async def serve_cluster(
         priors=priors,
         ttft_target=ttft_target,
         max_concurrency=max_concurrency,
+        prefill_token_seconds=prefill_rate(pools[0].engines[0]),
     )
     host = host if host is not None else settings.listen.host
     router_sock = _bind(host, settings.listen.port if port is None else port)

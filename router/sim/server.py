@@ -204,12 +204,15 @@ class _EngineStats(Collector):
         self._prefill = _Observed(PREFILL_BUCKETS)
 
     def first_token(self, generation: Generation) -> None:
+        """Durations in wall-clock seconds, as clients and the router measure them: at `time_scale`
+        N this is an engine N times faster, not one whose clock runs N times slower."""
         request = generation.request
         if request.first_token_at is None:
             return
-        self._ttft.observe(request.first_token_at - request.arrival)
+        scale = self._runner.time_scale
+        self._ttft.observe((request.first_token_at - request.arrival) / scale)
         if request.scheduled_at is not None:
-            self._prefill.observe(request.first_token_at - request.scheduled_at)
+            self._prefill.observe((request.first_token_at - request.scheduled_at) / scale)
 
     def collect(self) -> Iterator[Metric]:
         engine = self._runner.engine

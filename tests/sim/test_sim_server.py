@@ -273,3 +273,26 @@ def test_time_scale_reports_real_time_speed() -> None:
     if busy := too_busy_to_time():
         pytest.skip(busy)
     assert 0.5 * expected < measured < 1.5 * expected
+
+
+def test_time_scale_reports_durations_in_wall_clock_seconds() -> None:
+    """At N times real time the engine is N times faster: its first-token and prefill histograms
+    say what a client measures on the wall clock (the router learns its prefill rate from them)."""
+    scale = 20
+    profile = load_profile("team")
+    prompt = " ".join(f"word{i}" for i in range(8_000))
+    with ServerThread(create_sim_app(profile, time_scale=scale)) as server:
+        started = time.monotonic()
+        stream = _client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True)
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                measured = time.monotonic() - started
+                break
+        stream.close()
+        values = _metrics(server)
+    label = f'{{model_name="{MODEL}"}}'
+    ttft, prefill = (
+        values[f"vllm:{name}_seconds_sum" + label] for name in ("time_to_first_token", "request_prefill_time")
+    )
+    # At least the prompt's own tokens' prefill, scaled; at most what the client waited.
+    assert 8_000 * profile.step.prefill_token_s / scale <= prefill <= ttft <= measured
