@@ -8,6 +8,7 @@ times), `elsewhere` (its figures on the other replicas, router.replicas). A back
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -17,26 +18,47 @@ from router.config import Backend as BackendConfig
 
 
 class FirstTokens:
-    """Streams sent to a backend that have no first token yet, and its recent first-token times."""
+    """Streams sent to a backend that have no first token yet, and its recent first-token times.
+
+    A stream may come with the seconds its prompt's uncached part is predicted to take to prefill
+    there (conversations priced, router.routing.snapshot). An engine prefills the prompts it was
+    sent one after another, so they queue: the next one's first token comes after what is predicted
+    left of that queue, its own prefill, and what recent first tokens took beyond their predicted
+    prefill (the queue ahead of them and their own): the rest of a first token's time there.
+    """
 
     def __init__(self) -> None:
         self.recent: deque[float] = deque(maxlen=256)
-        self._waiting: dict[object, float] = {}  # a token of each stream -> when it was sent
+        self._beyond: deque[float] = deque(maxlen=8)
+        self._waiting: dict[object, tuple[float, float]] = {}  # a token of each stream -> sent at, prefilled by
+        self._prefilled_by = -math.inf  # when the prompts sent so far are predicted prefilled
 
-    def waiting(self, token: object, now: float) -> None:
-        self._waiting[token] = now
+    def waiting(self, token: object, now: float, prefill: float = 0.0) -> None:
+        self._prefilled_by = max(now, self._prefilled_by) + prefill
+        self._waiting[token] = (now, self._prefilled_by)
 
     def arrived(self, token: object, ttft: float) -> None:
         """A stream's first token arrived (`ttft` seconds after it reached the router)."""
-        if self._waiting.pop(token, None) is not None:
+        sent = self._waiting.pop(token, None)
+        if sent is not None:
             self.recent.append(ttft)
+            self._beyond.append(max(0.0, ttft - (sent[1] - sent[0])))
 
     def forget(self, token: object) -> None:
         self._waiting.pop(token, None)
 
     def oldest_wait(self, now: float) -> float:
         """Seconds the oldest stream sent here has waited without a first token (0: none waits)."""
-        return now - min(self._waiting.values()) if self._waiting else 0.0
+        return now - min(sent for sent, _ in self._waiting.values()) if self._waiting else 0.0
+
+    def predicted(self, now: float, prefill: float) -> float:
+        """The first token of a stream sent now whose own prefill takes `prefill` seconds: the
+        recent overhead, the prefill queue ahead of it, its own; and if a stream still waiting is
+        later than that overhead past its predicted prefill, the engine runs that much late."""
+        beyond = sorted(self._beyond)
+        overhead = beyond[len(beyond) // 2] if beyond else 0.0
+        late = max((now - by for _, by in self._waiting.values()), default=0.0) - overhead
+        return overhead + max(0.0, self._prefilled_by - now) + max(0.0, late) + prefill
 
 
 @dataclass(frozen=True, slots=True)

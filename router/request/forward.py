@@ -32,6 +32,7 @@ from router.request.incoming import Incoming
 from router.request.observe import Observer
 from router.request.plan import Plan
 from router.routing.policy import Decision
+from router.routing.snapshot import prefill_seconds
 from router.transport import (
     ConnectError,
     NotSent,
@@ -216,8 +217,8 @@ class Forwarder:
         route.count += 1
         route.tried.add(backend.name)
         route.backend = backend
-        if incoming.stream:
-            backend.first_tokens.waiting(id(incoming), now)  # shows in the live view while it waits
+        if incoming.stream:  # shows in the live view while it waits; its prefill queues there
+            backend.first_tokens.waiting(id(incoming), now, _prefill(routed, backend, plan))
         return backend
 
     def _retry_target(self, failed: _Failed, route: _Route, plan: Plan) -> str | None:
@@ -371,3 +372,11 @@ class Forwarder:
         if not plan.retries.cross_pool or decision.reason in ("pinned", "response_affinity"):
             return None
         return next((pool.name for pool in self._pools if pool.has_other(tried)), None)
+
+
+def _prefill(routed: Routed, backend: Backend, plan: Plan) -> float:
+    """Seconds the request's uncached prompt takes to prefill on `backend` (0: not placed by conversation)."""
+    if routed.prompt is None:
+        return 0.0
+    uncached = routed.prompt.tokens - routed.held.get(backend.name, 0)
+    return prefill_seconds(backend, uncached, plan.conversations.prefill_token_seconds)

@@ -62,6 +62,10 @@ def snapshot(
         best = min(accepting, key=lambda b: (load[b.name] / b.max_concurrency, b.name))
         concurrency = load[best.name]
         gain = best.engine.accept_length(now, acceptance_max_age)
+        holds = {b.name: _held(b, cached.held.get(b.name, 0), now, stale_after) for b in accepting} if cached else {}
+        # Priced: each backend's prefill of the part of the prompt it does not hold.
+        prefills = {b.name: prefill_seconds(b, cached.tokens - holds[b.name], prefill_token_seconds)
+                    for b in accepting} if cached else {}  # fmt: skip
         ttfts = {
             b.name: predicted_ttft(
                 b,
@@ -71,15 +75,12 @@ def snapshot(
                 stale_after=stale_after,
                 tokens=tokens,
                 unmeasured=unmeasured,
+                prefill=prefills.get(b.name),
             )
             for b in accepting
         }
         prefer, held = None, 0
         if cached is not None:
-            holds = {b.name: _held(b, cached.held.get(b.name, 0), now, stale_after) for b in accepting}
-            for b in accepting:
-                rate = b.engine.prefill.seconds_per_token or prefill_token_seconds
-                ttfts[b.name] += max(0, cached.tokens - holds[b.name]) * rate
             # The backend holding the longest prefix; if none holds any, where the conversation
             # (named by its session) last went.
             holder = max(accepting, key=lambda b: (holds[b.name], b.name == cached.last, -load[b.name]))
@@ -111,6 +112,11 @@ def _held(backend: Backend, tokens: int, now: float, stale_after: float) -> int:
     return tokens if free is None else min(tokens, int(free))
 
 
+def prefill_seconds(backend: Backend, tokens: int, assumed_rate: float) -> float:
+    """Seconds `backend` takes to prefill `tokens` prompt tokens: at its learned rate, else `assumed_rate`."""
+    return max(0, tokens) * (backend.engine.prefill.seconds_per_token or assumed_rate)
+
+
 def predicted_ttft(
     backend: Backend,
     pool: Pool,
@@ -120,6 +126,7 @@ def predicted_ttft(
     stale_after: float,
     tokens: int | None = None,
     unmeasured: float = UNMEASURED_DURATION,
+    prefill: float | None = None,
 ) -> float:
     """The first-token wait of one more request on `backend`, predicted.
 
@@ -131,10 +138,16 @@ def predicted_ttft(
     requests running. Ahead of it: the engine's waiting requests, this router's requests
     projected past the KV cache (a burst faster than a scrape, router.engines) and the router's
     queue.
+
+    With `prefill` (the seconds its own uncached prompt takes there: conversations priced), what
+    it takes now is the prefill queue of the streams sent there instead (router.backends.backend).
     """
     first_tokens = backend.first_tokens
-    recent = sorted(list(first_tokens.recent)[-8:])
-    base = max(recent[len(recent) // 2] if recent else 0.0, first_tokens.oldest_wait(now))
+    if prefill is None:
+        recent = sorted(list(first_tokens.recent)[-8:])
+        base = max(recent[len(recent) // 2] if recent else 0.0, first_tokens.oldest_wait(now))
+    else:
+        base = first_tokens.predicted(now, prefill)
     reading = backend.engine.reading
     fresh = reading.fresh(now, stale_after)
     waiting = (reading.waiting or 0) if fresh else 0

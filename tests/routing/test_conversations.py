@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from router.backends.backend import FirstTokens
 from router.backends.engines import EngineLoad, EngineView, PrefillRate
 from router.config import Conversations, Routing
 from router.routing.classify import Classification
@@ -174,3 +175,22 @@ def test_the_prefill_rate_is_the_slope_not_the_mean() -> None:
     for _ in range(8):
         same.observe(500, 0.045)
     assert same.seconds_per_token is None  # no spread to fit a slope on
+
+
+def test_prompts_sent_to_one_engine_queue_for_their_prefill() -> None:
+    """An engine prefills the prompts it was sent one after another: the next one's first token
+    comes after what is left of the queue, and a first token's time beyond its predicted prefill
+    is the overhead counted for the next."""
+    tokens = FirstTokens()
+    assert tokens.predicted(0.0, 1.0) == 1.0  # nothing sent: its own prefill
+    tokens.waiting("a", 0.0, prefill=1.2)
+    tokens.waiting("b", 0.5, prefill=1.2)
+    assert tokens.predicted(0.5, 1.0) == pytest.approx(1.9 + 1.0)  # a's 0.7 s left, b's 1.2, its own
+    assert tokens.predicted(1.0, 1.0) == pytest.approx(1.4 + 1.0)  # drained as time passes
+    assert tokens.predicted(1.5, 1.0) == pytest.approx(0.9 + 0.3 + 1.0)  # ...but a is 0.3 s late
+    tokens.arrived("a", 1.5)  # 0.3 s beyond its predicted prefill
+    assert tokens.predicted(2.0, 1.0) == pytest.approx(0.3 + 0.4 + 1.0)
+    # b is past its predicted first token by more than the overhead: the engine runs late.
+    assert tokens.predicted(4.0, 1.0) == pytest.approx(0.3 + (4.0 - 2.4 - 0.3) + 1.0)
+    tokens.forget("b")
+    assert tokens.predicted(4.0, 0.0) == pytest.approx(0.3)
