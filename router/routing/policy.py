@@ -150,7 +150,7 @@ class Policy:
             return to(self._standard, f"spill:spec-{unavailable}") if standard_open else to(self._speculative)
         if self._config.mode == "static" or not standard_open:
             return to(self._speculative)
-        kept = self._conversation(spec, std, target)
+        kept = self._conversation(spec, std, content, target)
         if kept is not None:
             pool, reason = kept
             return to(pool, reason or classification.reason)
@@ -177,11 +177,16 @@ class Policy:
             return to(self._standard, "spill:past-crossover")
         return to(self._speculative)
 
-    def _conversation(self, spec: PoolState, std: PoolState, target: float) -> tuple[str, str | None] | None:
+    def _conversation(
+        self, spec: PoolState, std: PoolState, content: ContentKind, target: float
+    ) -> tuple[str, str | None] | None:
         """Where a long conversation goes: the pool holding its cache, unless its first token
         there is predicted past the target and the other pool's, its prefill counted, comes
-        `min_gain` sooner; and not again soon after a move. None: not a long conversation
-        (decided as any other request, its prefill counted in the predicted first tokens)."""
+        `min_gain` sooner, or the standard pool holds it and is no longer the faster place (a
+        batch job came: its load is what makes it slower) while the speculative pool takes it
+        at once, its whole prefill counted, within the target; and not again soon after a move.
+        None: not a long conversation (decided as any other request, its prefill counted in the
+        predicted first tokens)."""
         config = self._conversations
         at_spec = spec.home and spec.held >= config.long_tokens
         if not (at_spec or (std.home and std.held >= config.long_tokens)):
@@ -194,11 +199,22 @@ class Policy:
         stay = None if home == self._speculative else "conversation:cached"
         if here.settled or self._unavailable(there) is not None:
             return home, stay
+        back = home == self._standard and self._wait(there) is None and _within(there, target)
+        if back and self._faster_on_speculative(there, here, content):
+            return other, "conversation:moved"
         if here.ttft is None or here.ttft <= target or there.ttft is None:
             return home, stay
         if there.ttft < here.ttft * (1 - config.min_gain):
             return other, "conversation:moved"
         return home, stay
+
+    def _faster_on_speculative(self, spec: PoolState, std: PoolState, content: ContentKind) -> bool:
+        """Whether the speculative pool serves one more user faster: by the learned speeds beyond
+        their noise (`adaptive`), else while the standard pool carries more requests."""
+        spec_speed, std_speed = spec.speed.get(content), std.speed.get(content)
+        if self._config.mode == "adaptive" and spec_speed is not None and std_speed is not None:
+            return spec_speed.low > std_speed.high
+        return std.concurrency > spec.concurrency
 
     @staticmethod
     def _unavailable(state: PoolState) -> str | None:

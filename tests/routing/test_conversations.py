@@ -12,6 +12,7 @@ from router.backends.engines import EngineLoad, EngineView, PrefillRate
 from router.config import Conversations, Routing
 from router.routing.classify import Classification
 from router.routing.conversations import ConversationIndex, Prompt
+from router.routing.learn import Estimate
 from router.routing.policy import Decision, Policy, PoolState
 
 INTERACTIVE = Classification("interactive", "default")
@@ -114,7 +115,7 @@ def test_a_prompt_past_max_blocks_hashes_only_its_beginning() -> None:
 
 def _decide(fast: PoolState, team: PoolState, **conversations: Any) -> Decision:
     policy = Policy(
-        Routing(ttft_target=3.0),
+        Routing(ttft_target=3.0, mode="adaptive"),
         interactive_pool="fast",
         batch_pool="team",
         conversations=Conversations(**conversations),
@@ -123,6 +124,7 @@ def _decide(fast: PoolState, team: PoolState, **conversations: Any) -> Decision:
 
 
 LONG = 20_000
+FAST, SLOW = Estimate(40.0, 36.0, 44.0), Estimate(8.0, 7.0, 9.0)  # per-user tok/s, with their 95 % interval
 
 
 @pytest.mark.parametrize(
@@ -146,6 +148,21 @@ LONG = 20_000
         # A short conversation is decided as any request: the speculative pool queues, it spills.
         (PoolState(True, engine_queued=2, home=True, held=500, ttft=6.0), PoolState(False, ttft=5.5), "team",
          "spill:spec-queueing"),
+        # On the standard pool, not settled there, which a batch job made the slower place: back
+        # to the speculative pool, its whole prefill there within the target...
+        (PoolState(True, ttft=1.5, speed={"prose": FAST}), PoolState(False, home=True, held=LONG, ttft=0.5,
+         concurrency=64, speed={"prose": SLOW}), "fast", "conversation:moved"),
+        # ...not having just moved there...
+        (PoolState(True, ttft=1.5, speed={"prose": FAST}), PoolState(False, home=True, settled=True, held=LONG,
+         ttft=0.5, speed={"prose": SLOW}), "team", "conversation:cached"),
+        # ...nor to a first token there past the target, or a speculative pool that queues,
+        (PoolState(True, ttft=3.5, speed={"prose": FAST}), PoolState(False, home=True, held=LONG, ttft=0.5,
+         speed={"prose": SLOW}), "team", "conversation:cached"),
+        (PoolState(True, ttft=1.5, engine_queued=2, speed={"prose": FAST}), PoolState(False, home=True, held=LONG,
+         ttft=0.5, speed={"prose": SLOW}), "team", "conversation:cached"),
+        # ...nor while the standard pool is as fast (within the noise).
+        (PoolState(True, ttft=1.5, speed={"prose": FAST}), PoolState(False, home=True, held=LONG, ttft=0.5,
+         speed={"prose": FAST}), "team", "conversation:cached"),
         # The home pool down: the other, whatever the settling.
         (PoolState(True, ttft=0.2), PoolState(False, healthy=False, home=True, settled=True, held=LONG), "fast",
          "default"),
