@@ -45,6 +45,7 @@ class SimRequest:
     held: int = 0  # leading blocks this request holds in the cache
     prefilled: int = 0
     scheduled_at: float | None = None  # when it was admitted
+    prefill_started_at: float | None = None  # when the step computing its first prompt chunk began
     generated: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -157,7 +158,9 @@ class Engine:
         for request in self.running:
             if request.decoding or budget <= 0:
                 continue
-            starting += request.prefilled == request.cached
+            if request.prefilled == request.cached:
+                starting += 1
+                request.prefill_started_at = self.now
             chunk = min(request.prompt_tokens - request.prefilled, budget)
             attention += chunk * (request.prefilled + chunk / 2)
             request.prefilled += chunk

@@ -211,8 +211,12 @@ class _EngineStats(Collector):
             return
         scale = self._runner.time_scale
         self._ttft.observe((request.first_token_at - request.arrival) / scale)
-        if request.scheduled_at is not None:
-            self._prefill.observe((request.first_token_at - request.scheduled_at) / scale)
+        # vLLM's prefill time runs from the step that first schedules some of its prompt: a
+        # request admitted here while others' prompts take the step's token budget is, in vLLM,
+        # still waiting.
+        started = request.prefill_started_at
+        if started is not None:
+            self._prefill.observe((request.first_token_at - started) / scale)
 
     def collect(self) -> Iterator[Metric]:
         engine = self._runner.engine
