@@ -23,8 +23,9 @@ class FirstTokens:
     A stream may come with the seconds its prompt's uncached part is predicted to take to prefill
     there (conversations priced, router.routing.snapshot). An engine prefills the prompts it was
     sent one after another, so they queue: the next one's first token comes after what is predicted
-    left of that queue, its own prefill, and what recent first tokens took beyond their predicted
-    prefill (the queue ahead of them and their own): the rest of a first token's time there.
+    left of that queue, its own prefill, and the least that recent first tokens took beyond their
+    predicted prefill (the queue ahead of them and their own): the rest of a first token's time
+    there (the least: one mispredicted burst does not make the engine look slow afterwards).
     """
 
     def __init__(self) -> None:
@@ -52,13 +53,15 @@ class FirstTokens:
         return now - min(sent for sent, _ in self._waiting.values()) if self._waiting else 0.0
 
     def predicted(self, now: float, prefill: float) -> float:
-        """The first token of a stream sent now whose own prefill takes `prefill` seconds: the
-        recent overhead, the prefill queue ahead of it, its own; and if a stream still waiting is
-        later than that overhead past its predicted prefill, the engine runs that much late."""
-        beyond = sorted(self._beyond)
-        overhead = beyond[len(beyond) // 2] if beyond else 0.0
-        late = max((now - by for _, by in self._waiting.values()), default=0.0) - overhead
-        return overhead + max(0.0, self._prefilled_by - now) + max(0.0, late) + prefill
+        """The first token of a stream sent now whose own prefill takes `prefill` seconds."""
+        return min(self._beyond, default=0.0) + self.ahead(now) + prefill
+
+    def ahead(self, now: float) -> float:
+        """Seconds of prefill predicted ahead of a prompt sent now: what is left of the prompts
+        sent here, and, if a stream still waiting is later than the overhead past its predicted
+        prefill, that much more (the engine runs late)."""
+        late = max((now - by for _, by in self._waiting.values()), default=0.0) - min(self._beyond, default=0.0)
+        return max(0.0, self._prefilled_by - now) + max(0.0, late)
 
 
 @dataclass(frozen=True, slots=True)

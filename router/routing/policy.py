@@ -11,7 +11,9 @@ place; interactive work leaves it
   than on the speculative one (or that does not queue at all); nor where it cannot go
   (`spill:spec-down`, `spill:spec-draining`);
 - otherwise only for a standard pool that does not queue and whose predicted first token is
-  within the target, and only when it is the faster place:
+  within the target, and only when its first token comes sooner where the speculative one's,
+  the prompts queued there for their prefill counted (conversations priced), is past the target
+  (`spill:spec-prefill`), or when it is the faster place:
   - `crossover` mode: past the configured crossover concurrency for the content kind, unless
     the standard pool carries even more (`spill:past-crossover`);
   - `adaptive` mode: when the standard pool's learned per-user speed is higher beyond the noise
@@ -63,6 +65,8 @@ class PoolState:
     held: int = 0
     home: bool = False  # the conversation was last placed in this pool...
     settled: bool = False  # ...having moved here lately
+    # Of `ttft`, the prefill queued on its backend and this prompt's own (conversations priced).
+    prefill: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,9 +165,15 @@ class Policy:
                 return to(self._standard, f"spill:spec-{waits}")
             return to(self._speculative)
         # The speculative pool has room: leave it only for a standard pool that neither queues
-        # nor keeps its first tokens past the target, and only for a faster place.
+        # nor keeps its first tokens past the target, and only for a faster place...
         if self._wait(std) is not None or (std.ttft is not None and std.ttft > target):
             return to(self._speculative)
+        # ...or, where the prompts queued for their prefill there (and its own) are what makes
+        # its first token late, for the standard pool's sooner one (a long conversation comes
+        # back when the standard pool is no longer the faster place: `_conversation`).
+        late = spec.ttft is not None and spec.ttft - spec.prefill <= target < spec.ttft
+        if late and _sooner(std.ttft, spec.ttft):
+            return to(self._standard, "spill:spec-prefill")
         spec_speed, std_speed = spec.speed.get(content), std.speed.get(content)
         if self._config.mode == "adaptive" and spec_speed is not None and std_speed is not None:
             if std_speed.low > spec_speed.high:

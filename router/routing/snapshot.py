@@ -66,6 +66,7 @@ def snapshot(
         # Priced: each backend's prefill of the part of the prompt it does not hold.
         prefills = {b.name: prefill_seconds(b, cached.tokens - holds[b.name], prefill_token_seconds)
                     for b in accepting} if cached else {}  # fmt: skip
+        backlog = {b.name: b.first_tokens.ahead(now) for b in accepting}  # prefill sent before it
         ttfts = {
             b.name: predicted_ttft(
                 b,
@@ -87,7 +88,8 @@ def snapshot(
             known = holds[holder.name] or holder.name == cached.last
             if known and holder.has_room and load[holder.name] - concurrency <= load_bound:
                 prefer, held = holder.name, holds[holder.name]
-        ttft = ttfts[prefer] if prefer is not None else min(ttfts.values())
+        chosen = prefer if prefer is not None else min(ttfts, key=lambda name: ttfts[name])
+        ttft = ttfts[chosen]
         states[pool.name] = PoolState(
             speculative=pool.speculative,
             concurrency=concurrency,
@@ -100,6 +102,7 @@ def snapshot(
             held=held,
             home=cached is not None and cached.home == pool.name,
             settled=cached is not None and cached.settled,
+            prefill=prefills[chosen] + backlog[chosen] if cached else 0.0,
         )
     return states
 

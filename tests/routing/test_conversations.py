@@ -211,3 +211,24 @@ def test_prompts_sent_to_one_engine_queue_for_their_prefill() -> None:
     assert tokens.predicted(4.0, 1.0) == pytest.approx(0.3 + (4.0 - 2.4 - 0.3) + 1.0)
     tokens.forget("b")
     assert tokens.predicted(4.0, 0.0) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize(
+    ("fast", "team", "pool", "reason"),
+    [
+        # The prompts queued for their prefill (and its own) make the first token late: spill.
+        (PoolState(True, ttft=4.0, prefill=2.5), PoolState(False, ttft=1.5), "team", "spill:spec-prefill"),
+        # Late for another reason than the prefill queue: decided as before.
+        (PoolState(True, ttft=4.0, prefill=0.5), PoolState(False, ttft=1.5), "fast", "default"),
+        # The standard pool's first token no sooner, or past the target itself: stay.
+        (PoolState(True, ttft=3.2, prefill=2.5), PoolState(False, ttft=3.2), "fast", "default"),
+        (PoolState(True, ttft=6.0, prefill=5.0), PoolState(False, ttft=4.0), "fast", "default"),
+        # Within the target where it is: stay.
+        (PoolState(True, ttft=2.5, prefill=2.0), PoolState(False, ttft=0.5), "fast", "default"),
+    ],
+)  # fmt: skip
+def test_a_prompt_late_for_the_prefill_queued_goes_where_its_first_token_comes_sooner(
+    fast: PoolState, team: PoolState, pool: str, reason: str
+) -> None:
+    decision = _decide(fast, team)
+    assert (decision.pool, decision.reason) == (pool, reason)

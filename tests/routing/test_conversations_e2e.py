@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -13,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from router.app import create_app
 from router.config import Settings
+from router.demo import cluster_settings, prefill_rate
 from router.sim.profile import load_profile
 from router.sim.server import create_sim_app
 from tests.servers import ServerThread
@@ -116,3 +118,78 @@ def test_the_session_header_names_the_conversation(cluster: tuple[ServerThread, 
     assert again == first[:1]
     other = _talk(router, 2, 1, headers={"X-Session-ID": "xyz"})
     assert other == ["team-1"]  # a new session: the emptiest (on a tie, the first)
+
+
+# Real time, and a first-token target of 1.5 s: a cold prompt of 20,000 tokens takes about 1.2 s
+# to prefill alone, so the third or fourth sent at once is predicted late on one engine, however
+# slowly a busy machine sends them.
+SCALE = 1
+TARGET = 1.5
+
+
+def _long_prompts(count: int) -> list[str]:
+    """Distinct cold prompts of about 20,000 tokens each: a coding agent's first turns."""
+    return [f"Agent {n}. " + " ".join(f"file{n}_{i} = load({i}) + {n};" for i in range(2_000)) for n in range(count)]
+
+
+@contextmanager
+def _pools(conversations: dict[str, Any]) -> Iterator[str]:
+    """A speculative and a standard simulated engine behind a router, its clocks as the embedded
+    cluster's (router.demo) at `SCALE`."""
+    fast, team = load_profile("fast"), load_profile("team")
+    with (
+        ServerThread(create_sim_app(fast, time_scale=SCALE)) as one,
+        ServerThread(create_sim_app(team, time_scale=SCALE)) as two,
+    ):
+        settings = cluster_settings(
+            {"fast": (True, [one.url]), "team": (False, [two.url])},
+            host="127.0.0.1",
+            port=0,
+            time_scale=SCALE,
+            ttft_target=TARGET,
+            prefill_token_seconds=prefill_rate(fast),
+        )
+        data = settings.model_dump()
+        data["conversations"].update(conversations)
+        data["batch"]["store_dir"] = tempfile.mkdtemp(prefix="specroute-batches-")
+        with ServerThread(create_app(Settings(**data), registry=CollectorRegistry()), fast=True) as router:
+            yield router.url
+
+
+def _first_turns(router: str, count: int) -> list[tuple[str, str]]:
+    """Cold first turns sent one after another, each once the one before is under way (its
+    answer's headers back): the pool and the reason of each."""
+    clients = [openai.OpenAI(base_url=router + "/v1", api_key=f"agent-{n}", max_retries=0) for n in range(count)]
+    seen, streams = [], []
+    try:
+        for client, prompt in zip(clients, _long_prompts(count), strict=True):  # each a client of its own
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=16, stream=True
+            )
+            seen.append((raw.headers["x-route-pool"], raw.headers["x-route-reason"]))
+            streams.append(raw.parse())
+    finally:
+        for stream in streams:
+            stream.close()
+        for client in clients:
+            client.close()
+    return seen
+
+
+def test_cold_long_prompts_queued_for_their_prefill_spill_to_the_sooner_first_token() -> None:
+    """Several long cold prompts at once: one engine prefills them one after another. Once the
+    speculative engine's queue would make the next one's first token late, it goes to the
+    standard pool, where its first token comes sooner (`spill:spec-prefill`)."""
+    with _pools({}) as router:
+        seen = _first_turns(router, 8)
+    assert seen[0] == ("fast", "default")  # an idle engine: the default place
+    spilled = [reason for pool, reason in seen if pool == "team"]
+    assert spilled and set(spilled) == {"spill:spec-prefill"}, seen
+    assert sum(pool == "fast" for pool, _ in seen) >= 2, seen
+
+
+def test_unpriced_cold_long_prompts_all_queue_on_the_speculative_engine() -> None:
+    """The reference: without conversations priced the same prompts all go to the default place."""
+    with _pools({"enabled": False}) as router:
+        seen = _first_turns(router, 8)
+    assert seen == [("fast", "default")] * 8
