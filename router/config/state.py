@@ -44,6 +44,14 @@ class State(Section):
         description="Seconds after which a replica that stopped syncing (crashed, cut off) no longer counts: its "
         "figures expire. At least four sync intervals.",
     )
+    lease_slots: int = Field(
+        default=4,
+        ge=0,
+        description="Slots per backend a replica claims in Redis ahead of its requests, so that a request usually "
+        "takes one without a round trip: at most this many, and at most its share of the backend's free room "
+        "(free slots divided among the live replicas); held ones count as in use for the others, so nothing is "
+        "over-committed. 0: every request claims its slot in a round trip.",
+    )
     max_clients: int = Field(
         default=100_000,
         ge=1,

@@ -1,14 +1,16 @@
 """`Replicas`: what a router asks of the state it shares with its replicas, never waiting long.
 
 Alone (no `state.redis_url`), every call returns at once and the router decides from its own
-view, as a single router does. With a store, a request makes one call, when it takes a slot:
-granted only if the replicas together stay within the backend's `max_concurrency`, it writes the
-client's requests here and answers its figures and every backend's from the others, which the
-next requests are classified by. Only a client not seen lately is looked up before it is
-classified (`arrived`). Claims asked for while one is under way go together in the next round
-trip; each caller waits within `state.timeout`. What ends (a request, a slot) is written behind
-the request, and everything is written whole every `state.sync_interval`, which repairs any
-write lost or late.
+view, as a single router does. With a store, a request usually takes a slot this replica holds
+already (router.replicas.lease) and asks nothing on its way. Else it makes one call, when it
+takes a slot: granted only if the replicas together stay within the backend's
+`max_concurrency`, it writes the client's requests here and answers its figures and every
+backend's from the others, which the next requests are classified by. Only a client not seen
+lately is looked up before it is classified (`arrived`). Claims asked for while one is under way
+go together in the next round trip; each caller waits within `state.timeout`. Behind the
+requests, gathered over a few milliseconds: the slots to hold claimed again (each carrying the
+count of a client that took one, and answering its figures), what ended written; and everything
+written whole every `state.sync_interval`, which repairs any write lost or late.
 
 A call that fails or runs out of time turns the replica to its own view: logged once, shown in
 `/readyz` and in `specroute_shared_state_up`. It rejoins at the first sync that succeeds.
@@ -34,12 +36,15 @@ from router.clock import Clock
 from router.config import State
 from router.metrics import Metrics
 from router.replicas.coalesce import Coalesced
+from router.replicas.lease import Leases
 from router.replicas.store import Ask, Claim, Store, StoreError
 from router.routing.clients import Clients
 
 logger = logging.getLogger("specroute.replicas")
 
 _T = TypeVar("_T")
+
+_GATHER = 0.01  # seconds over which what ended is gathered into one write behind the requests
 
 
 def replica_id() -> str:
@@ -73,6 +78,7 @@ class Replicas:
         self._left: dict[str, str] = {}
         self._ended_backends: Counter[str] = Counter()
         self._claims: Coalesced[Ask, Claim] = Coalesced(self._claim_round)
+        self._leases = Leases(size=0, idle=0)
         self._changed = asyncio.Event()
         # Clear while a sync is under way: a count sent meanwhile could land before the sync's
         # whole figures, which were taken without it, and be overwritten. And the sync waits for
@@ -87,6 +93,7 @@ class Replicas:
         """`state` (read at start: the store is opened once), the scrape's `stale_after` and
         classify's `client_memory_seconds`."""
         self._config, self._stale_after, self._memory = config, stale_after, memory
+        self._leases = Leases(size=config.lease_slots, idle=config.ttl)
 
     def open(self, store: Store | None = None) -> None:
         """Open the configured store (or `store`, another mechanism); the first sync joins it."""
@@ -122,6 +129,7 @@ class Replicas:
             "since_seconds": round(self._clock.now() - self._since, 3),
             "other_replicas": self._others if self.sharing else None,
             "last_error": self._last_error,
+            "slots_held": self._leases.holding(),  # router.replicas.lease
         }
 
     # The request path.
@@ -149,9 +157,11 @@ class Replicas:
         across the replicas. Alone, or with the store failing, it is."""
         if self._store is None or not self.sharing:
             return True
-        unread = backend.unread(self._clock.now(), self._stale_after)
-        ask = Ask(backend.name, unread, backend.max_concurrency, client_key(client), self._clients[client])
-        claim = await self._call("claim", lambda: self._claims(ask))
+        if self._leases.take(backend.name, self._clock.now()):
+            self._left[client_key(client)] = client  # its count, written behind it with the slot's claim
+            self._changed.set()
+            return True
+        claim = await self._call("claim", lambda: self._claims(self._ask(backend, client)))
         if claim is None:
             return True
         self._clients.share(client, elsewhere=claim.in_flight, peak=claim.peak)
@@ -164,6 +174,13 @@ class Replicas:
         backend.elsewhere = Elsewhere(max(backend.elsewhere.in_flight, full), backend.elsewhere.unread)
         return False
 
+    def _ask(self, backend: Backend, client: str | None) -> Ask:
+        """A slot on `backend`, carrying `client`'s count (None: a slot to hold, for no client)."""
+        unread = backend.unread(self._clock.now(), self._stale_after)
+        if client is None:
+            return Ask(backend.name, unread, backend.max_concurrency, "", 0)
+        return Ask(backend.name, unread, backend.max_concurrency, client_key(client), self._clients[client])
+
     async def _claim_round(self, asks: Sequence[Ask]) -> Sequence[Claim]:
         """One round trip for the claims asked for meanwhile (router.replicas.coalesce)."""
         assert self._store is not None
@@ -174,7 +191,7 @@ class Replicas:
 
     def released(self, backend: Backend) -> None:
         """A slot on `backend` that `claim` granted ended."""
-        if self.sharing:
+        if self.sharing and not self._leases.keep(backend.name):
             self._ended_backends[backend.name] += 1
             self._changed.set()
 
@@ -214,7 +231,12 @@ class Replicas:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(left):
                             await self._changed.wait()
+                            # What else changes meanwhile goes in the same writes, which leave
+                            # the requests under way the event loop's time to themselves.
+                            await asyncio.sleep(min(_GATHER, left))
                     self._changed.clear()
+                    if self.sharing:
+                        await self._lease()
                     if self.sharing and (self._left or self._ended_backends):
                         await self._ended()
             except Exception as exc:
@@ -223,6 +245,25 @@ class Replicas:
                 logger.exception("shared state: sync failed")
                 self._alone(f"{type(exc).__name__}: {exc}")
                 await asyncio.sleep(self._config.sync_interval)
+
+    async def _lease(self) -> None:
+        """Claim the slots to hold (router.replicas.lease), each carrying the count of a client
+        whose request took one held, and folding its figures in as a request's claim does."""
+        backends = {b.name: b for b in self._pools.backends()}
+        asks, clients = [], []
+        for name, want in self._leases.wanted().items():
+            for _ in range(want if name in backends else 0):
+                client = self._left.popitem()[1] if self._left else None
+                asks.append(self._ask(backends[name], client))
+                clients.append(client)
+        if not asks:
+            return
+        claims = await self._call("lease", lambda: asyncio.gather(*(self._claims(ask) for ask in asks)))
+        for ask, client, claim in zip(asks, clients, claims or (), strict=False):
+            if client is not None:
+                self._clients.share(client, elsewhere=claim.in_flight, peak=claim.peak)
+            if claim.granted and self.sharing:
+                self._leases.granted(ask.backend)
 
     async def _ended(self) -> None:
         assert self._store is not None
@@ -246,7 +287,7 @@ class Replicas:
                     await self._no_calls.wait()
             now = self._clock.now()
             clients = {client_key(c): n for c, n in self._clients.counts().items()}
-            backends = {b.name: self._own(b, now) for b in self._pools.backends() if b.in_flight}
+            backends = {b.name: own for b in self._pools.backends() if (own := self._own(b, now)).in_flight}
             self._left, self._ended_backends = {}, Counter()  # in the counts above
             async with asyncio.timeout(self._config.sync_interval):
                 view = await self._store.sync(clients, backends)
@@ -263,11 +304,16 @@ class Replicas:
         self._apply(view.backends)
 
     def _own(self, backend: Backend, now: float) -> Elsewhere:
-        return Elsewhere(backend.in_flight, backend.unread(now, self._stale_after))
+        """This replica's slots on `backend`: in use, and held for its next requests."""
+        return Elsewhere(backend.in_flight + self._leases.held(backend.name), backend.unread(now, self._stale_after))
 
     def _apply(self, backends: Mapping[str, Elsewhere]) -> None:
         for backend in self._pools.backends():
             backend.elsewhere = backends.get(backend.name, ALONE)
+        back = self._leases.rebalance(self._pools.backends(), self._others, self._clock.now())
+        if back or self._leases.wanted():
+            self._ended_backends.update(back)
+            self._changed.set()
         for pool in self._pools:
             pool.wake()  # a slot another replica freed may be this one's queue's now
 
@@ -281,6 +327,7 @@ class Replicas:
         self._metrics.shared_state_fallbacks.inc()
         logger.warning("shared state: deciding alone from now on, until the store answers again: %s", why)
         self._clients.alone()
+        self._leases.clear()
         for backend in self._pools.backends():
             backend.elsewhere = ALONE
         for pool in self._pools:

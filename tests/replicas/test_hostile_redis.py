@@ -238,3 +238,28 @@ async def test_a_sync_answered_junk_is_not_joined(answer: bytes | str) -> None:
         finally:
             sync.cancel()
             await asyncio.gather(sync, return_exceptions=True)
+
+
+# A claim for one slot, granted with nothing elsewhere.
+GRANTED = b"*2\r\n*3\r\n:1\r\n:0\r\n$1\r\n1\r\n*0\r\n"
+
+
+@pytest.mark.parametrize("answer", CLAIM_JUNK)
+async def test_slots_to_hold_answered_junk_leave_the_requests_alone(answer: bytes | str) -> None:
+    """The slots a replica claims ahead of its requests (router.replicas.lease), behind them:
+    an answer out of shape, or none, and it decides alone; no request waited for it."""
+    async with fake_redis([GOOD_SYNC, GRANTED, answer]) as fake, replica(fake.port) as one, joined(one, fake):
+        backend = next(one.pools.backends())
+        one.clients.start("etl")
+        assert await one.replicas.claim(backend, "etl")  # granted: b1 is used, a slot to hold is asked for
+        for _ in range(200):
+            if not one.replicas.sharing:
+                break
+            await asyncio.sleep(0.01)
+        assert not one.replicas.sharing and one.replicas.status()["slots_held"] == {}
+        assert one.metric("specroute_shared_state_fallbacks_total") == 1
+        asked = len(fake.commands_answered)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await one.replicas.claim(backend, "etl")
+        assert loop.time() - started < BUDGET and len(fake.commands_answered) == asked
