@@ -400,6 +400,7 @@ RESTART: dict[str, Any] = {
     "state.timeout": 0.1,
     "state.sync_interval": 0.5,
     "state.ttl": 20.0,
+    "state.lease_slots": 2,
     "state.max_clients": 10,
     "state.max_connections": 4,
     "tracing.enabled": True,
