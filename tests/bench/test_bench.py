@@ -78,14 +78,15 @@ def test_compare_mixed_routed_beats_both_single_layouts(tmp_path: Path) -> None:
          "--think", "2", "--max-tokens", "64", "--time-scale", str(SCALE / 2), "--out", str(tmp_path),
          "--layouts", "routed,all-speculative,all-standard"]
     )  # fmt: skip
-    if busy := too_busy_to_time():  # the last minute's load: about this run's
-        pytest.skip(busy)
+    # What holds however busy the machine: the run, its files, no request failed.
     assert code == 0
     for name in ("report.md", "mixed.json", "mixed.csv", "mixed.png"):
         assert (tmp_path / name).stat().st_size > 0
     layouts = json.loads((tmp_path / "mixed.json").read_text())["layouts"]
     routed, spec, std = (layouts[n]["interactive"] for n in ("routed", "all-speculative", "all-standard"))
     assert routed["errors"] == spec["errors"] == std["errors"] == 0
+    if busy := too_busy_to_time():  # the last minute's load: about this run's
+        pytest.skip(busy)
     assert routed["per_user_tps"] > spec["per_user_tps"]
     assert routed["per_user_tps"] > std["per_user_tps"]
     assert routed["ttft_worst"] < spec["ttft_worst"]
