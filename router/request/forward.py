@@ -199,7 +199,8 @@ class Forwarder:
                 exclude=exclude,
                 only=routed.backend,
                 prefer=None if route.count else routed.prefer,  # where its prompt's prefix is cached
-                tokens=request_tokens(incoming.payload),
+                # Its KV size matters only for room over a full pool's cap (router.backends.newcomers).
+                tokens=None if pool.has_other(exclude) else request_tokens(incoming.payload),
             )
             # A slot the other replicas (router.replicas) took meanwhile is given back, and the
             # request waits for another.
