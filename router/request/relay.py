@@ -77,13 +77,19 @@ async def relay_stream(
     `client`: the client's connection, to write the pieces to directly."""
     watch = sse.StreamWatch(drop_usage_chunk=drop_usage_chunk, max_event=max_event)
     headers = response_headers(response.headers, route_headers)
-    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    start = {"type": "http.response.start", "status": response.status, "headers": headers}
+    if client is None:
+        await send(start)
+    else:
+        await client.through(send, start)  # the head goes out with the pieces already here
     progress.streaming = True
     status, code = response.status, None
     try:
         if client is not None and client.ready():
             await _pipe(response, client, watch, progress, first_token)
         else:
+            if client is not None:
+                client.flush()
             async for chunk in response.iter_raw():
                 out = watch.feed(chunk)
                 if watch.saw_content and progress.ttft is None:
@@ -93,7 +99,16 @@ async def relay_stream(
         tail = watch.flush()
     except (TransportError, sse.EventTooLarge) as exc:
         status, code, tail = broken(exc if isinstance(exc, TransportError) else TooLarge(str(exc)))
-    await send({"type": "http.response.body", "body": tail, "more_body": False})
+    except BaseException:
+        if client is not None:
+            client.flush()  # what the last read brought, before whatever ends the stream
+        raise
+    end = {"type": "http.response.body", "body": tail, "more_body": False}
+    if client is None:
+        await send(end)
+    else:
+        await client.through(send, end)  # with the last read's pieces
+        client.flush()
     return Outcome(status, code, watch.completion_tokens, sse.prompt_tokens(watch.usage), watch.response_id)
 
 
@@ -112,7 +127,7 @@ async def _pipe(
         if watch.saw_content and progress.ttft is None:
             progress.ttft = first_token()
         if out:
-            client.write(out)  # may pause writing, and so reading (flow below)
+            client.write(out)  # gathered: written once the read is over (its flush may pause, flow below)
 
     def flow(paused: bool) -> None:
         if paused:
@@ -124,6 +139,6 @@ async def _pipe(
     try:
         if client.paused:
             response.pause_reading()
-        await response.stream_to(piece)
+        await response.stream_to(piece, client.flush)
     finally:
         client.listen(None)

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import socket
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -232,15 +232,18 @@ class ClientProtocol(HttpToolsProtocol):
 
 class ClientStream:
     """A chunked response's body written straight to the client's connection, past uvicorn's ASGI
-    `send`: one write per piece, no message, future or task (router.request.relay). Only between
-    the response's start and its last part, which go through `send` as usual, so that uvicorn's
-    own state (a response complete, keep-alive) stays true."""
+    `send`: no message, future or task per piece (router.request.relay). Pieces are gathered and
+    go out in one write per `flush`; the head and the last part still go through `send`, so that
+    uvicorn's own state (a response complete, keep-alive) stays true, but `through` gathers what
+    `send` writes with the pieces, so that a head and the pieces already here, or the last pieces
+    and the end, leave in one write."""
 
-    __slots__ = ("_cycle", "_protocol")
+    __slots__ = ("_cycle", "_out", "_protocol")
 
     def __init__(self, protocol: ClientProtocol, cycle: RequestResponseCycle) -> None:
         self._protocol = protocol
         self._cycle = weakref.ref(cycle)  # the cycle's scope holds this: no reference cycle
+        self._out: list[bytes] = []  # written, not yet flushed
 
     def ready(self) -> bool:
         """Whether the response has started, chunked, and is neither complete nor its client gone."""
@@ -253,11 +256,32 @@ class ClientStream:
             and not cycle.disconnected
         )
 
+    async def through(self, send: Callable[[Any], Awaitable[None]], message: Any) -> None:
+        """`send(message)`, what it writes gathered with the pieces until the next `flush`."""
+        cycle = self._cycle()
+        if cycle is None:
+            await send(message)
+            return
+        transport = cycle.transport
+        cycle.transport = _Gathered(transport, self)  # type: ignore[assignment]  # writes and close, as uvicorn uses it
+        try:
+            await send(message)
+        finally:
+            cycle.transport = transport
+
     def write(self, data: bytes) -> None:
-        """One chunk of the body; dropped once the client has gone."""
+        """One chunk of the body, written at the next `flush`."""
+        self._out += (b"%x\r\n" % len(data), data, b"\r\n")
+
+    def flush(self) -> None:
+        """Write what was gathered, in one write; dropped once the client has gone."""
+        out = self._out
+        if not out:
+            return
+        self._out = []
         transport, cycle = self._protocol.transport, self._cycle()
         if cycle is not None and not cycle.disconnected and not transport.is_closing():
-            transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+            transport.writelines(out)
 
     @property
     def paused(self) -> bool:
@@ -267,6 +291,27 @@ class ClientStream:
     def listen(self, listener: Callable[[bool], None] | None) -> None:
         """`listener(True)` when the client stops taking data, `listener(False)` when it starts again."""
         self._protocol.flow_listener = listener
+
+
+class _Gathered:
+    """A cycle's transport while `ClientStream.through` runs: writes join the stream's gathered
+    pieces; closing writes them first."""
+
+    __slots__ = ("_stream", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, stream: ClientStream) -> None:
+        self._transport = transport
+        self._stream = stream
+
+    def write(self, data: bytes) -> None:
+        self._stream._out.append(data)
+
+    def close(self) -> None:
+        self._stream.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def _upgrade_refused() -> RouterError:

@@ -89,9 +89,12 @@ class Response(Protocol):
         """The body (decoded from chunked transfer and any content coding), as it arrives."""
         ...
 
-    async def stream_to(self, sink: Callable[[bytes], None]) -> None:
+    async def stream_to(self, sink: Callable[[bytes], None], read: Callable[[], None] | None = None) -> None:
         """Each piece of the body to `sink` as it arrives, in the connection's callbacks (no task
-        or future per piece); returns at the end, raises the failure or what `sink` raised."""
+        or future per piece); returns at the end, raises the failure or what `sink` raised.
+        `read()` after the pieces already here and after each read of the engine's connection
+        that brought pieces, except the read that ends the body: what `sink` gathered from one
+        read may go on in one write."""
         ...
 
     def pause_reading(self) -> None:

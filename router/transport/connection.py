@@ -29,13 +29,17 @@ _DONE = 3  # the response wholly parsed, within the read that ended it
 
 
 class Receiver(Protocol):
-    """Hears one exchange on a connection, in order: `head`, any `piece`s, then `end` or `failed`."""
+    """Hears one exchange on a connection, in order: `head`, any `piece`s, then `end` or `failed`;
+    and `read_done` after each read of the connection that reached it."""
 
     def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
 
     def piece(self, data: bytes) -> None: ...
 
     def end(self) -> None: ...
+
+    def read_done(self) -> None:
+        """A read of the connection is over: all it brought was handed over."""
 
     def failed(self, exc: TransportError) -> None: ...
 
@@ -133,6 +137,14 @@ class EngineConnection(asyncio.Protocol):
         if state == _IDLE:
             self.close()  # unasked: a late copy of an answer, or garbage
             return
+        receiver = self._receiver
+        try:
+            self._parse(state, data)
+        finally:
+            if receiver is not None:
+                receiver.read_done()
+
+    def _parse(self, state: int, data: bytes) -> None:
         if state == _BODY and self._deadline is not None:
             self._deadline = self._loop.time() + cast(float, self._idle_timeout)
         whole_read_was_head = state == _HEAD

@@ -37,6 +37,7 @@ class EngineResponse:
         self._done = False
         self._error: Exception | None = None  # a TransportError, or what a sink raised
         self._sink: Callable[[bytes], None] | None = None  # while `stream_to` runs
+        self._read: Callable[[], None] | None = None  # told after each read, while `stream_to` runs
         self._decoder: zlib._Decompress | None = None
         self._aclosed = False
 
@@ -81,6 +82,10 @@ class EngineResponse:
             self._waiter.set_result(None)
         if self._size > _BUFFERED and self._connection is not None:
             self._connection.pause()
+
+    def read_done(self) -> None:
+        if self._read is not None and not self._done:  # the body's end is the caller's to pass on
+            self._read()
 
     def end(self) -> None:
         self._connection = None
@@ -137,23 +142,26 @@ class EngineResponse:
                 await self._waiter
                 self._waiter = None
 
-    async def stream_to(self, sink: Callable[[bytes], None]) -> None:
+    async def stream_to(self, sink: Callable[[bytes], None], read: Callable[[], None] | None = None) -> None:
         """Each body piece to `sink` as it arrives, called in the connection's callbacks; returns
-        at the body's end, raises its failure (or what `sink` raised)."""
+        at the body's end, raises its failure (or what `sink` raised). `read()` after the pieces
+        already here and after each read but the body's last (router.transport.base.Response)."""
         if self._pieces:
             data = b"".join(self._pieces)
             self._pieces.clear()
             self._size = 0
             sink(data)
         if not self._done:
+            if read is not None:
+                read()
             if self._connection is not None:
                 self._connection.resume()
-            self._sink = sink
+            self._sink, self._read = sink, read
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
-                self._sink = self._waiter = None
+                self._sink = self._read = self._waiter = None
         if self._error is not None:
             raise self._error
 
