@@ -67,6 +67,7 @@ class ClientProtocol(HttpToolsProtocol):
         self._refusal: RouterError | None = None  # raised in a parser callback, answered after it
         self._refused = False
         self.flow_listener: Callable[[bool], None] | None = None  # hears writing pause (True) and resume
+        self.lost_listener: Callable[[], None] | None = None  # hears the connection close
 
     # -- the connection ------------------------------------------------------------------
 
@@ -90,6 +91,9 @@ class ClientProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
         super().connection_lost(exc)
+        listener, self.lost_listener = self.lost_listener, None
+        if listener is not None:
+            listener()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -291,6 +295,21 @@ class ClientStream:
     def listen(self, listener: Callable[[bool], None] | None) -> None:
         """`listener(True)` when the client stops taking data, `listener(False)` when it starts again."""
         self._protocol.flow_listener = listener
+
+    def watch(self, listener: Callable[[], None]) -> bool:
+        """`listener()` once the client's connection closes, until `unwatch`: what a task waiting
+        on `receive` for `http.disconnect` would hear, without the task. The client is read from
+        now on, as `receive` would have it, so that its leaving is seen. False: it has gone."""
+        cycle = self._cycle()
+        if cycle is None or cycle.disconnected or self._protocol.transport.is_closing():
+            return False
+        self._protocol.flow.resume_reading()
+        self._protocol.lost_listener = listener
+        return True
+
+    def unwatch(self, listener: Callable[[], None]) -> None:
+        if self._protocol.lost_listener is listener:
+            self._protocol.lost_listener = None
 
 
 class _Gathered:
