@@ -6,6 +6,8 @@ settings (router.plan). It reads the pools but changes nothing.
 
 from __future__ import annotations
 
+import itertools
+
 from router.backends.backend import Backend
 from router.backends.pools import Pool, Pools
 from router.routing.conversations import Cached
@@ -147,7 +149,7 @@ def predicted_ttft(
     """
     first_tokens = backend.first_tokens
     if prefill is None:
-        recent = sorted(list(first_tokens.recent)[-8:])
+        recent = sorted(itertools.islice(reversed(first_tokens.recent), 8))  # the last 8, not a copy of all
         base = max(recent[len(recent) // 2] if recent else 0.0, first_tokens.oldest_wait(now))
     else:
         base = first_tokens.predicted(now, prefill)
