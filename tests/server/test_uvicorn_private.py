@@ -69,3 +69,22 @@ def test_a_cycle_writes_a_chunked_body_as_client_stream_does() -> None:
     assert 'b"%x\\r\\n" % len(body), body, b"\\r\\n"' in source
     assert 'b"0\\r\\n\\r\\n"' in source
     assert "self.write_paused" in inspect.getsource(flow_control)
+
+
+def test_a_cycle_writes_its_head_and_end_through_its_own_transport() -> None:
+    # ClientStream.through swaps a cycle's transport for the length of one `send`, to gather the
+    # head (or the last part) with the pieces: the cycle must keep its transport as an attribute
+    # and write and close through it.
+    cycle = inspect.getsource(httptools_impl.RequestResponseCycle)
+    assert "self.transport = transport" in cycle
+    send = inspect.getsource(httptools_impl.RequestResponseCycle.send)
+    assert "self.transport.write(" in send
+    assert "self.transport.close()" in send
+
+
+def test_a_lost_connection_marks_its_cycle_before_client_stream_hears_it() -> None:
+    # ClientStream.watch: ClientProtocol calls the listener after uvicorn's own connection_lost,
+    # which marks the cycle disconnected; `receive` resumes reading, as `watch` does.
+    lost = inspect.getsource(HttpToolsProtocol.connection_lost)
+    assert "self.cycle.disconnected = True" in lost
+    assert "self.flow.resume_reading()" in inspect.getsource(httptools_impl.RequestResponseCycle.receive)
