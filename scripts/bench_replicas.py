@@ -142,6 +142,8 @@ def main() -> None:
                 print(f"   {side} adds {added:+.3f} ms to the router alone's")
             print(f"   to the same Redis from here, median: PING {statistics.median(pings) * 1000:.3f} ms,", end=" ")
             print(f"a one-line script {statistics.median(scripts) * 1000:.3f} ms")
+            for side in ("round trip", "leased"):
+                print(f"   {side}, its waits for Redis so far: {shared_state_figures(urls[side])}")
 
             burst: dict[str, list[float]] = {side: [] for side in sides}
             for _ in range(args.bursts):
