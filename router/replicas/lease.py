@@ -63,8 +63,8 @@ class Leases:
         return wanted
 
     def rebalance(self, backends: Iterable[Backend], others: int, now: float) -> dict[str, int]:
-        """Each backend's target from the figures now (`backend.elsewhere` includes what the
-        others hold); answers the slots to give back, which are no longer held."""
+        """Each backend's target from the figures now (its room: slots not in use here or on
+        the others, those held here included); answers the slots to give back, no longer held."""
         back: dict[str, int] = {}
         present = {backend.name: backend for backend in backends}
         for name in list(self._used.keys() | self._target.keys()):

@@ -112,22 +112,27 @@ return {elsewhere, peak, backends(list)}
 )
 
 # ARGV: prefix, me, ttl, memory (ms), max clients, then for each slot asked for: the backend,
-# its requests here sent since the reading, its limit, the client, the client's requests here.
-# Answers: for each, granted (1 or 0), the client's requests elsewhere and its peak; then the
-# backends' figures elsewhere.
+# its requests here sent since the reading, its limit, the client, the client's requests here,
+# and 1 if it is a slot to hold (router.replicas.lease), else 0. Slots held count against the
+# limit like slots in use. Answers: for each, granted (1 or 0), the client's requests elsewhere
+# and its peak; then the backends' figures elsewhere (slots in use, not held).
 CLAIM = (
     _COMMON
     + """
 local memory, cap = tonumber(ARGV[4]), tonumber(ARGV[5])
 local list = others()
 local answers = {}
-for i = 6, #ARGV - 4, 5 do
+local function taken(r, backend)
+  local key = prefix .. ':r:' .. r
+  return count(redis.call('HGET', key .. ':b', backend)) + count(redis.call('HGET', key .. ':h', backend))
+end
+for i = 6, #ARGV - 5, 6 do
   local backend, limit, c, here = ARGV[i], tonumber(ARGV[i + 2]), ARGV[i + 3], tonumber(ARGV[i + 4])
   local n = 0
-  for _, r in ipairs(list) do n = n + count(redis.call('HGET', prefix .. ':r:' .. r .. ':b', backend)) end
+  for _, r in ipairs(list) do n = n + taken(r, backend) end
   local granted = 0
-  if count(redis.call('HGET', own .. ':b', backend)) + 1 + n <= limit then
-    redis.call('HINCRBY', own .. ':b', backend, 1)
+  if taken(me, backend) + 1 + n <= limit then
+    redis.call('HINCRBY', own .. (ARGV[i + 5] == '1' and ':h' or ':b'), backend, 1)
     redis.call('HSET', own .. ':u', backend, ARGV[i + 1])
     granted = 1
   end
@@ -137,41 +142,44 @@ for i = 6, #ARGV - 4, 5 do
   answers[#answers + 1] = elsewhere
   answers[#answers + 1] = peak
 end
-for _, suffix in ipairs({':c', ':b', ':u'}) do redis.call('PEXPIRE', own .. suffix, ttl) end
+for _, suffix in ipairs({':c', ':b', ':u', ':h'}) do redis.call('PEXPIRE', own .. suffix, ttl) end
 forget(memory, cap)
 return {answers, backends(list)}
 """
 )
 
 # ARGV: prefix, me, ttl, number of clients, then client, requests here pairs, then backend,
-# slots ended, unread triples.
+# slots ended (less those taken from the held), unread, change in slots held quadruples.
 ENDED = (
     _COMMON
     + """
 local n = tonumber(ARGV[4])
 for i = 5, 4 + 2 * n, 2 do set_here(ARGV[i], tonumber(ARGV[i + 1])) end
-for i = 5 + 2 * n, #ARGV - 2, 3 do
-  redis.call('HINCRBY', own .. ':b', ARGV[i], -tonumber(ARGV[i + 1]))
+for i = 5 + 2 * n, #ARGV - 3, 4 do
+  local ended, held = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 3])
+  if ended ~= 0 then redis.call('HINCRBY', own .. ':b', ARGV[i], 0 - ended) end  -- never "-0"
   redis.call('HSET', own .. ':u', ARGV[i], ARGV[i + 2])
+  if held ~= 0 then redis.call('HINCRBY', own .. ':h', ARGV[i], held) end
 end
-for _, suffix in ipairs({':c', ':b', ':u'}) do redis.call('PEXPIRE', own .. suffix, ttl) end
+for _, suffix in ipairs({':c', ':b', ':u', ':h'}) do redis.call('PEXPIRE', own .. suffix, ttl) end
 return 1
 """
 )
 
-# ARGV: prefix, me, ttl, number of clients, then client, count pairs, then backend, slots,
-# unread triples. Answers: the other live replicas, and the backends' figures on them.
+# ARGV: prefix, me, ttl, number of clients, then client, count pairs, then backend, slots in
+# use, unread, slots held quadruples. Answers: the other live replicas, and the backends' figures on them.
 SYNC = (
     _COMMON
     + """
 local n = tonumber(ARGV[4])
-redis.call('DEL', own .. ':c', own .. ':b', own .. ':u')
+redis.call('DEL', own .. ':c', own .. ':b', own .. ':u', own .. ':h')
 for i = 5, 4 + 2 * n, 2 do redis.call('HSET', own .. ':c', ARGV[i], ARGV[i + 1]) end
-for i = 5 + 2 * n, #ARGV - 2, 3 do
+for i = 5 + 2 * n, #ARGV - 3, 4 do
   redis.call('HSET', own .. ':b', ARGV[i], ARGV[i + 1])
   redis.call('HSET', own .. ':u', ARGV[i], ARGV[i + 2])
+  redis.call('HSET', own .. ':h', ARGV[i], ARGV[i + 3])
 end
-for _, suffix in ipairs({':c', ':b', ':u'}) do redis.call('PEXPIRE', own .. suffix, ttl) end
+for _, suffix in ipairs({':c', ':b', ':u', ':h'}) do redis.call('PEXPIRE', own .. suffix, ttl) end
 redis.call('ZADD', replicas, now + ttl, me)
 redis.call('ZREMRANGEBYSCORE', replicas, '-inf', now)
 redis.call('PEXPIRE', replicas, ttl)

@@ -6,6 +6,7 @@ Keys (the prefix in braces, a hash tag, so that every key lands in one slot):
     {prefix}:r:<id>:c       hash: one replica's requests in flight per client
     {prefix}:r:<id>:b       hash: one replica's slots in use per backend
     {prefix}:r:<id>:u       hash: one replica's requests per backend sent since its last reading
+    {prefix}:r:<id>:h       hash: one replica's slots held per backend, idle (router.replicas.lease)
     {prefix}:peaks          hash: each client's peak in flight across replicas, "<peak> <when, ms>"
     {prefix}:fades          sorted set: when each peak fades below half a request
 
@@ -89,7 +90,7 @@ class RedisStore:
     async def claim(self, asks: Sequence[Ask]) -> Claims:
         args = [*self._head, self._memory_ms, self._max_clients]
         for ask in asks:
-            args += [ask.backend, ask.unread, ask.limit, ask.client, ask.here]
+            args += [ask.backend, ask.unread, ask.limit, ask.client, ask.here, int(ask.hold)]
         answer = await self._run(self._claim(args=args))
         match answer:
             case [list() as each, list() as backends] if len(each) == 3 * len(asks):
@@ -100,15 +101,24 @@ class RedisStore:
                 return Claims(claims, _backends(backends))
         raise StoreError(f"claims' answer out of shape: {_show(answer)}")
 
-    async def ended(self, clients: Mapping[str, int], backends: Mapping[str, int], unread: Mapping[str, int]) -> None:
+    async def ended(
+        self,
+        clients: Mapping[str, int],
+        backends: Mapping[str, int],
+        unread: Mapping[str, int],
+        held: Mapping[str, int] | None = None,
+    ) -> None:
+        held = held or {}
         args = [*self._head, len(clients)]
         for client, here in clients.items():
             args += [client, here]
-        for name, ended in backends.items():
-            args += [name, ended, unread.get(name, 0)]
+        for name in backends.keys() | held.keys():
+            args += [name, backends.get(name, 0), unread.get(name, 0), held.get(name, 0)]
         await self._run(self._ended(args=args))
 
-    async def sync(self, clients: Mapping[str, int], backends: Mapping[str, Elsewhere]) -> View:
+    async def sync(
+        self, clients: Mapping[str, int], backends: Mapping[str, Elsewhere], held: Mapping[str, int] | None = None
+    ) -> View:
         if self._broken:
             # Connections from before a failure (a Redis restarted since) would each fail once.
             await self._run(self._redis.connection_pool.disconnect())
@@ -116,8 +126,10 @@ class RedisStore:
         args = [*self._head, len(clients)]
         for client, count in clients.items():
             args += [client, count]
-        for name, own in backends.items():
-            args += [name, own.in_flight, own.unread]
+        held = held or {}
+        for name in backends.keys() | held.keys():
+            own = backends.get(name, Elsewhere())
+            args += [name, own.in_flight, own.unread, held.get(name, 0)]
         answer = await self._run(self._sync(args=args))
         match answer:
             case [replicas, list() as figures]:

@@ -76,7 +76,8 @@ class Replicas:
         # Clients whose requests ended (by their key in the store), and slots ended per backend,
         # since last written: written behind the requests.
         self._left: dict[str, str] = {}
-        self._ended_backends: Counter[str] = Counter()
+        self._ended_backends: Counter[str] = Counter()  # less those taken from the held ones
+        self._held_change: Counter[str] = Counter()  # slots held (router.replicas.lease): taken, kept, given back
         self._claims: Coalesced[Ask, Claim] = Coalesced(self._claim_round)
         self._leases = Leases(size=0, idle=0)
         self._changed = asyncio.Event()
@@ -158,7 +159,10 @@ class Replicas:
         if self._store is None or not self.sharing:
             return True
         if self._leases.take(backend.name, self._clock.now()):
-            self._left[client_key(client)] = client  # its count, written behind it with the slot's claim
+            # Written behind it: the slot in use, no longer held, and its client's count.
+            self._ended_backends[backend.name] -= 1
+            self._held_change[backend.name] -= 1
+            self._left[client_key(client)] = client
             self._changed.set()
             return True
         claim = await self._call("claim", lambda: self._claims(self._ask(backend, client)))
@@ -174,12 +178,11 @@ class Replicas:
         backend.elsewhere = Elsewhere(max(backend.elsewhere.in_flight, full), backend.elsewhere.unread)
         return False
 
-    def _ask(self, backend: Backend, client: str | None) -> Ask:
-        """A slot on `backend`, carrying `client`'s count (None: a slot to hold, for no client)."""
+    def _ask(self, backend: Backend, client: str | None, *, hold: bool = False) -> Ask:
+        """A slot on `backend` (in use, or to `hold`), carrying `client`'s count (or none)."""
         unread = backend.unread(self._clock.now(), self._stale_after)
-        if client is None:
-            return Ask(backend.name, unread, backend.max_concurrency, "", 0)
-        return Ask(backend.name, unread, backend.max_concurrency, client_key(client), self._clients[client])
+        key, here = (client_key(client), self._clients[client]) if client is not None else ("", 0)
+        return Ask(backend.name, unread, backend.max_concurrency, key, here, hold)
 
     async def _claim_round(self, asks: Sequence[Ask]) -> Sequence[Claim]:
         """One round trip for the claims asked for meanwhile (router.replicas.coalesce)."""
@@ -191,8 +194,10 @@ class Replicas:
 
     def released(self, backend: Backend) -> None:
         """A slot on `backend` that `claim` granted ended."""
-        if self.sharing and not self._leases.keep(backend.name):
+        if self.sharing:
             self._ended_backends[backend.name] += 1
+            if self._leases.keep(backend.name):
+                self._held_change[backend.name] += 1
             self._changed.set()
 
     async def _call(self, what: str, call: Callable[[], Awaitable[_T]]) -> _T | None:
@@ -237,7 +242,7 @@ class Replicas:
                     self._changed.clear()
                     if self.sharing:
                         await self._lease()
-                    if self.sharing and (self._left or self._ended_backends):
+                    if self.sharing and (self._left or self._ended_backends or self._held_change):
                         await self._ended()
             except Exception as exc:
                 # A bug of ours or of a store: never the end of the syncs, which a queue waiting
@@ -254,7 +259,7 @@ class Replicas:
         for name, want in self._leases.wanted().items():
             for _ in range(want if name in backends else 0):
                 client = self._left.popitem()[1] if self._left else None
-                asks.append(self._ask(backends[name], client))
+                asks.append(self._ask(backends[name], client, hold=True))
                 clients.append(client)
         if not asks:
             return
@@ -270,11 +275,12 @@ class Replicas:
         left, self._left = self._left, {}
         clients = {key: self._clients[client] for key, client in left.items()}
         backends, self._ended_backends = self._ended_backends, Counter()
+        held, self._held_change = self._held_change, Counter()
         now = self._clock.now()
         unread = {b.name: b.unread(now, self._stale_after) for b in self._pools.backends() if b.name in backends}
         try:
             async with asyncio.timeout(self._config.sync_interval):
-                await self._store.ended(clients, backends, unread)
+                await self._store.ended(clients, backends, unread, held)
         except (TimeoutError, StoreError) as exc:
             self._alone(str(exc) or "no answer to a write")
 
@@ -287,10 +293,11 @@ class Replicas:
                     await self._no_calls.wait()
             now = self._clock.now()
             clients = {client_key(c): n for c, n in self._clients.counts().items()}
-            backends = {b.name: own for b in self._pools.backends() if (own := self._own(b, now)).in_flight}
-            self._left, self._ended_backends = {}, Counter()  # in the counts above
+            backends = {b.name: self._own(b, now) for b in self._pools.backends() if b.in_flight}
+            held = self._leases.holding()
+            self._left, self._ended_backends, self._held_change = {}, Counter(), Counter()  # in the counts above
             async with asyncio.timeout(self._config.sync_interval):
-                view = await self._store.sync(clients, backends)
+                view = await self._store.sync(clients, backends, held)
         except (TimeoutError, StoreError) as exc:
             self._alone(str(exc) or f"no answer to a sync within {self._config.sync_interval:g} s")
             return
@@ -304,15 +311,14 @@ class Replicas:
         self._apply(view.backends)
 
     def _own(self, backend: Backend, now: float) -> Elsewhere:
-        """This replica's slots on `backend`: in use, and held for its next requests."""
-        return Elsewhere(backend.in_flight + self._leases.held(backend.name), backend.unread(now, self._stale_after))
+        return Elsewhere(backend.in_flight, backend.unread(now, self._stale_after))
 
     def _apply(self, backends: Mapping[str, Elsewhere]) -> None:
         for backend in self._pools.backends():
             backend.elsewhere = backends.get(backend.name, ALONE)
         back = self._leases.rebalance(self._pools.backends(), self._others, self._clock.now())
         if back or self._leases.wanted():
-            self._ended_backends.update(back)
+            self._held_change.subtract(back)
             self._changed.set()
         for pool in self._pools:
             pool.wake()  # a slot another replica freed may be this one's queue's now

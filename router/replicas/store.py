@@ -49,6 +49,7 @@ class Ask:
     limit: int  # the slots of the backend, for the replicas together
     client: str
     here: int  # the client's requests in flight on this replica
+    hold: bool = False  # a slot to hold for the replica's next requests (router.replicas.lease)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,14 +81,23 @@ class Store(Protocol):
         `limit`; and each asking client's figures written and answered as `client` does."""
         ...
 
-    async def ended(self, clients: Mapping[str, int], backends: Mapping[str, int], unread: Mapping[str, int]) -> None:
-        """Clients' requests in flight here now, slots that ended here per backend, and those
-        backends' `unread` now."""
+    async def ended(
+        self,
+        clients: Mapping[str, int],
+        backends: Mapping[str, int],
+        unread: Mapping[str, int],
+        held: Mapping[str, int] | None = None,
+    ) -> None:
+        """Clients' requests in flight here now, slots that ended here per backend (less those
+        taken from the held ones), those backends' `unread` now, and the change in slots held."""
         ...
 
-    async def sync(self, clients: Mapping[str, int], backends: Mapping[str, Elsewhere]) -> View:
-        """All of this replica's figures, replacing what the store had of it (and keeping it
-        alive there); answers what the other replicas have."""
+    async def sync(
+        self, clients: Mapping[str, int], backends: Mapping[str, Elsewhere], held: Mapping[str, int] | None = None
+    ) -> View:
+        """All of this replica's figures (`held`: its slots held idle, per backend), replacing
+        what the store had of it (and keeping it alive there); answers what the other replicas
+        have."""
         ...
 
     async def aclose(self) -> None: ...

@@ -21,6 +21,10 @@ class _Worker:
     clients: dict[str, int] = field(default_factory=dict)
     slots: dict[str, int] = field(default_factory=dict)
     unread: dict[str, int] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)  # slots held idle (router.replicas.lease)
+
+    def taken(self, backend: str) -> int:
+        return self.slots.get(backend, 0) + self.held.get(backend, 0)
 
 
 class Figures:
@@ -56,29 +60,45 @@ class Figures:
         others = [w for i, w in self._workers.items() if i != worker]
         claims = []
         for ask in asks:
-            granted = own.slots.get(ask.backend, 0) + 1 + sum(w.slots.get(ask.backend, 0) for w in others) <= ask.limit
+            granted = own.taken(ask.backend) + 1 + sum(w.taken(ask.backend) for w in others) <= ask.limit
             if granted:
-                own.slots[ask.backend] = own.slots.get(ask.backend, 0) + 1
+                counts = own.held if ask.hold else own.slots
+                counts[ask.backend] = counts.get(ask.backend, 0) + 1
                 own.unread[ask.backend] = ask.unread
             claims.append(Claim(granted, *self._client(worker, ask.client, ask.here)))
         return Claims(claims, self._backends(worker))
 
     def ended(
-        self, worker: int, clients: Mapping[str, int], backends: Mapping[str, int], unread: Mapping[str, int]
+        self,
+        worker: int,
+        clients: Mapping[str, int],
+        backends: Mapping[str, int],
+        unread: Mapping[str, int],
+        held: Mapping[str, int] | None = None,
     ) -> None:
-        """`clients`: their requests in flight on `worker` now; `backends`: slots ended there."""
+        """`clients`: their requests in flight on `worker` now; `backends`: slots ended there
+        (less those taken from the held); `held`: the change in slots held."""
         own = self._workers[worker]
         for client, here in clients.items():
             _set(own.clients, client, here)
         for backend, ended in backends.items():
             _set(own.slots, backend, own.slots.get(backend, 0) - ended)
         own.unread.update(unread)
+        for backend, change in (held or {}).items():
+            _set(own.held, backend, own.held.get(backend, 0) + change)
 
-    def sync(self, worker: int, clients: Mapping[str, int], backends: Mapping[str, Elsewhere]) -> View:
+    def sync(
+        self,
+        worker: int,
+        clients: Mapping[str, int],
+        backends: Mapping[str, Elsewhere],
+        held: Mapping[str, int] | None = None,
+    ) -> View:
         own = self._workers[worker]
         own.clients = {c: n for c, n in clients.items() if n > 0}
         own.slots = {b: e.in_flight for b, e in backends.items()}
         own.unread = {b: e.unread for b, e in backends.items()}
+        own.held = {b: n for b, n in (held or {}).items() if n > 0}
         self._forget()
         return View(len(self._workers) - 1, self._backends(worker))
 

@@ -52,11 +52,11 @@ def _answer(figures: Figures, worker: int, call: list[Any]) -> bytes:
         case [int() as id_, "claim", list() as asks]:
             claims = figures.claim(worker, [Ask(*ask) for ask in asks])
             answer = [id_, [[c.granted, c.in_flight, c.peak] for c in claims.claims], _flat(claims.backends)]
-        case [int() as id_, "ended", dict() as clients, dict() as backends, dict() as unread]:
-            figures.ended(worker, clients, backends, unread)
+        case [int() as id_, "ended", dict() as clients, dict() as backends, dict() as unread, dict() as held]:
+            figures.ended(worker, clients, backends, unread, held)
             answer = [id_]
-        case [int() as id_, "sync", dict() as clients, dict() as backends]:
-            view = figures.sync(worker, clients, {name: Elsewhere(n, u) for name, (n, u) in backends.items()})
+        case [int() as id_, "sync", dict() as clients, dict() as backends, dict() as held]:
+            view = figures.sync(worker, clients, {name: Elsewhere(n, u) for name, (n, u) in backends.items()}, held)
             answer = [id_, view.replicas, _flat(view.backends)]
         case [int() as id_, "stats"]:
             answer = [id_, {"workers": figures.workers, "clients_remembered": figures.remembered}]
@@ -91,18 +91,26 @@ class SocketStore:
         raise StoreError("a client's figures out of shape")
 
     async def claim(self, asks: Sequence[Ask]) -> Claims:
-        flat = [[a.backend, a.unread, a.limit, a.client, a.here] for a in asks]
+        flat = [[a.backend, a.unread, a.limit, a.client, a.here, a.hold] for a in asks]
         match await self._call("claim", flat):
             case [list() as claims, list() as backends]:
                 return Claims([Claim(bool(g), n, float(p)) for g, n, p in claims], _backends(backends))
         raise StoreError("a claim's answer out of shape")
 
-    async def ended(self, clients: Mapping[str, int], backends: Mapping[str, int], unread: Mapping[str, int]) -> None:
-        await self._call("ended", dict(clients), dict(backends), dict(unread))
+    async def ended(
+        self,
+        clients: Mapping[str, int],
+        backends: Mapping[str, int],
+        unread: Mapping[str, int],
+        held: Mapping[str, int] | None = None,
+    ) -> None:
+        await self._call("ended", dict(clients), dict(backends), dict(unread), dict(held or {}))
 
-    async def sync(self, clients: Mapping[str, int], backends: Mapping[str, Elsewhere]) -> View:
+    async def sync(
+        self, clients: Mapping[str, int], backends: Mapping[str, Elsewhere], held: Mapping[str, int] | None = None
+    ) -> View:
         figures = {name: [e.in_flight, e.unread] for name, e in backends.items()}
-        match await self._call("sync", dict(clients), figures):
+        match await self._call("sync", dict(clients), figures, dict(held or {})):
             case [int() as replicas, list() as others]:
                 return View(replicas, _backends(others))
         raise StoreError("a sync's answer out of shape")

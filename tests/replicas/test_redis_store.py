@@ -148,3 +148,17 @@ async def test_a_peak_fades_by_redis_clock(server: RedisServer, keys: str) -> No
         assert 1.5 < peak < 4.5  # halved once or a little more, 8 → about 4
     finally:
         await store.aclose()
+
+
+async def test_slots_held_count_against_the_limit_not_as_in_use(pair: tuple[RedisStore, RedisStore]) -> None:
+    a, b = pair
+    held = await a.claim([Ask("team-1", 0, 3, "", 0, hold=True), Ask("team-1", 0, 3, "", 0, hold=True)])
+    assert [claim.granted for claim in held.claims] == [True, True]
+    seen = await b.claim([Ask("team-1", 0, 3, "dev", 1), Ask("team-1", 0, 3, "dev", 1)])
+    assert [claim.granted for claim in seen.claims] == [True, False]  # a holds two of the three
+    assert (await a.client("x", here=0)).backends == {"team-1": Elsewhere(1, 0)}  # b's one in use
+    assert (await b.client("x", here=0)).backends["team-1"] == Elsewhere(0, 0)  # a holds two, uses none
+    await a.ended({}, {"team-1": -1}, {"team-1": 1}, {"team-1": -1})  # one held taken by a request
+    assert (await b.client("x", here=0)).backends == {"team-1": Elsewhere(1, 1)}
+    await a.ended({}, {}, {}, {"team-1": -1})  # the other given back: b's second claim fits
+    assert (await b.claim([Ask("team-1", 0, 3, "dev", 2)])).claims[0].granted
