@@ -60,7 +60,9 @@ class FirstTokens:
         """Seconds of prefill predicted ahead of a prompt sent now: what is left of the prompts
         sent here, and, if a stream still waiting is later than the overhead past its predicted
         prefill, that much more (the engine runs late)."""
-        late = max((now - by for _, by in self._waiting.values()), default=0.0) - min(self._beyond, default=0.0)
+        # The oldest stream waiting was predicted prefilled first: it is the latest, if any is.
+        oldest = next(iter(self._waiting.values()), None)
+        late = 0.0 if oldest is None else now - oldest[1] - min(self._beyond, default=0.0)
         return max(0.0, self._prefilled_by - now) + max(0.0, late)
 
 

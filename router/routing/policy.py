@@ -11,9 +11,9 @@ place; interactive work leaves it
   than on the speculative one (or that does not queue at all); nor where it cannot go
   (`spill:spec-down`, `spill:spec-draining`);
 - otherwise only for a standard pool that does not queue and whose predicted first token is
-  within the target, and only when its first token comes sooner where the speculative one's,
-  the prompts queued there for their prefill counted (conversations priced), is past the target
-  (`spill:spec-prefill`), or when it is the faster place:
+  within the target: where the prompts queued on the speculative pool for their prefill put its
+  first token past the target and the standard pool's comes sooner (conversations priced,
+  `spill:spec-prefill`), or where it is the faster place:
   - `crossover` mode: past the configured crossover concurrency for the content kind, unless
     the standard pool carries even more (`spill:past-crossover`);
   - `adaptive` mode: when the standard pool's learned per-user speed is higher beyond the noise

@@ -68,7 +68,7 @@ def snapshot(
         # Priced: each backend's prefill of the part of the prompt it does not hold.
         prefills = {b.name: prefill_seconds(b, cached.tokens - holds[b.name], prefill_token_seconds)
                     for b in accepting} if cached else {}  # fmt: skip
-        backlog = {b.name: b.first_tokens.ahead(now) for b in accepting}  # prefill sent before it
+        backlog = {b.name: b.first_tokens.ahead(now) for b in accepting} if cached else {}  # sent before it
         ttfts = {
             b.name: predicted_ttft(
                 b,
