@@ -229,10 +229,12 @@ class Replicas:
         if self._store is None:
             return
         while True:
+            _stop_if_cancelled()
             try:
                 await self._sync()
                 due = self._clock.now() + self._config.sync_interval
                 while (left := due - self._clock.now()) > 0:
+                    _stop_if_cancelled()
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(left):
                             await self._changed.wait()
@@ -338,3 +340,12 @@ class Replicas:
             backend.elsewhere = ALONE
         for pool in self._pools:
             pool.wake()
+
+
+def _stop_if_cancelled() -> None:
+    """End `run` if it was asked to, even where something below turned the cancellation into an
+    error of its own (a store's client library), which `run` survives by design: the task is
+    still `cancelling()`. Else the router's shutdown waited on it forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
