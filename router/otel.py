@@ -10,6 +10,7 @@ which the SDK reads for everything left unset.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -52,13 +53,18 @@ class OtelTracer:
         self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.endpoint)))
         self._tracer = self._provider.get_tracer("specroute", version)
 
-    def start(self, arrival: Arrival) -> _Span:
+    def start(self, arrival: Arrival, age: float) -> _Span:
         headers = arrival.headers
         carrier = {key: headers[key] for key in TRACE_HEADERS if key in headers}
         parent = _PROPAGATOR.extract(carrier) if carrier else None
         # A span's name is one of few (OpenTelemetry's HTTP conventions): the path only where it names an endpoint.
         path = arrival.path if arrival.path in _ENDPOINTS else "/v1/{path}"
-        return _Span(self._tracer.start_span(f"{arrival.method} {path}", context=parent, kind=SpanKind.SERVER))
+        # From the arrival on: what the span holds (its first token, its queue wait) fits in it.
+        started = time.time_ns() - round(age * 1e9)
+        span = self._tracer.start_span(
+            f"{arrival.method} {path}", context=parent, kind=SpanKind.SERVER, start_time=started
+        )
+        return _Span(span)
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self._provider.shutdown)  # flushes what is queued, within the exporter's timeout

@@ -27,8 +27,9 @@ class RequestSpan(Protocol):
 
 
 class Tracer(Protocol):
-    def start(self, arrival: Arrival) -> RequestSpan:
-        """A span for a request as it arrives, continuing the trace its headers name, if any."""
+    def start(self, arrival: Arrival, age: float) -> RequestSpan:
+        """A span for a request that arrived `age` seconds ago (it starts then), continuing the
+        trace its headers name, if any."""
         ...
 
     async def aclose(self) -> None:

@@ -92,7 +92,7 @@ class Pipeline:
         incoming: Incoming | None = None
         request = _Record(scope.get("extensions", {}).get(CLIENT_STREAM))
         if self._tracer is not None:
-            request.span = self._tracer.start(arrival)
+            request.span = self._tracer.start(arrival, self._clock.now() - arrival.started)
         try:
             # Ingress: the client's key, the body within its limits, the JSON.
             incoming = await ingress.accept(arrival, scope, receive, plan)
