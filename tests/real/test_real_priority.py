@@ -93,6 +93,11 @@ def test_an_interactive_first_token_comes_before_the_batch_work_queued_ahead(
                     timeout=120,
                     what="batch requests waiting inside the engine, none in its prefill",
                 )
+                # Right after the engine admitted the next ones (a first token came): the interactive
+                # request then arrives the furthest from the next admission of the queue.
+                seen = len(firsts)
+                wait_for(lambda: len(firsts) > seen, timeout=120, what="the next batch request admitted")
+                time.sleep(0.1)  # its partner of the same step
                 sent = time.monotonic()
                 waiting = {i for i in range(BATCH) if i not in firsts}
                 interactive, _ = _stream(chat, job="interactive", content="Hi!", max_tokens=4)
