@@ -100,6 +100,9 @@ class Backend:
         self.api_key = config.api_key()
         self.max_concurrency = config.max_concurrency
         self.in_flight = 0
+        # The tokens each of its requests in flight holds at its end (router.content), where
+        # known, by a token of the request: for the KV they take (router.backends.engines).
+        self.holding: dict[object, int] = {}
         self.elsewhere: Elsewhere = ALONE  # its figures on the other replicas (router.replicas)
         self.sent = 0  # requests it was ever given a slot for
         self.draining = False  # set by an operator: no new work, running requests finish
@@ -159,10 +162,11 @@ class Backend:
             in_flight=self.in_flight,
             max_concurrency=self.max_concurrency,
             tokens=tokens,
+            holding=self.holding.values(),
             elsewhere=self.elsewhere,
         )
 
-    def overflow(self, now: float, stale_after: float, kv_threshold: float, tokens: int | None = None) -> int:
+    def overflow(self, now: float, stale_after: float, kv_threshold: float) -> int:
         """Its requests projected to wait inside the engine for KV room (router.backends.engines)."""
         return self.engine.overflow(
             now,
@@ -170,7 +174,7 @@ class Backend:
             kv_threshold,
             in_flight=self.in_flight,
             max_concurrency=self.max_concurrency,
-            tokens=tokens,
+            holding=self.holding.values(),
             elsewhere=self.elsewhere,
         )
 

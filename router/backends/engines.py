@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -122,20 +123,29 @@ class EngineView:
         return earlier + min(recent, max(0, round(reported - others) - earlier))
 
     def kv_per_request(self, max_concurrency: int, tokens: int | None = None) -> float:
-        """KV usage one request takes, the larger of two figures once a reading has shown requests
-        running: the usage per running request it showed, and the share of the cache the request
-        itself holds at its end (`_kv_of`). A reading that caught requests just admitted shows
-        their prompts only, a fraction of what each holds by its end. Before such a reading, the
-        request's own share; without one (its length or the cache's size unknown), the capacity
-        the engine states or the configured `max_concurrency`, whichever is less. So a burst on a
-        router that has not yet seen the engine loaded still projects it full."""
+        """KV usage one request of `tokens` (its prompt and the answer it allows) takes: its own
+        share of the cache at its end (`_kv_of`) where its length and the cache's size are known;
+        else the usage per running request the last reading with requests running showed; before
+        one, the capacity the engine states or the configured `max_concurrency`, whichever is less.
+        So a burst on a router that has not yet seen the engine loaded still projects it full."""
         own = self._kv_of(tokens)
-        if self._kv_per_request is not None:
-            return max(self._kv_per_request, own)
         if own:
             return own
+        if self._kv_per_request is not None:
+            return self._kv_per_request
         slots = min(max_concurrency, self.stated.max_concurrency or math.inf)
         return 1.0 / max(1.0, slots)
+
+    def _kv_held(self, max_concurrency: int, in_flight: int, holding: Iterable[int]) -> float:
+        """KV usage per request of this router's `in_flight` ones at their end: each of `holding`
+        (the tokens of those whose length is known) its own share, the others as seen. Each is
+        taken at what it holds, not at the size of the next: a standard engine running a batch
+        job of short requests has room for a long prompt."""
+        known = [self.kv_per_request(max_concurrency, tokens) for tokens in holding]
+        if not in_flight:
+            return self.kv_per_request(max_concurrency)
+        unknown = max(0, in_flight - len(known)) * self.kv_per_request(max_concurrency)
+        return (sum(known) + unknown) / max(in_flight, len(known))
 
     def _kv_of(self, tokens: int | None) -> float:
         """The share of the engine's KV cache a request of `tokens` (its prompt and the answer it
@@ -168,21 +178,23 @@ class EngineView:
         in_flight: int,
         max_concurrency: int,
         tokens: int | None = None,
+        holding: Iterable[int] = (),
         elsewhere: Elsewhere = ALONE,
     ) -> float | None:
-        """The engine's KV usage once one more request is sent: the last reading, plus what each
-        request sent since (and the next one) will take, at the usage per running request.
+        """The engine's KV usage once one more request, of `tokens`, is sent: the last reading,
+        plus what each request sent since will hold (`holding`: the tokens of the router's
+        requests in flight whose length is known, `_kv_held`), plus the new one at its own size.
 
         A reading lags by a scrape; users arriving faster than that would otherwise overfill a
         speculative engine's cache before the router sees it fill. Without a fresh reading, the
-        router's own requests at that usage each.
+        router's own requests at what they hold.
         """
-        share = self.kv_per_request(max_concurrency, tokens)
-        since = self._since_reading(now, stale_after, in_flight=in_flight, share=share, elsewhere=elsewhere)
+        held = self._kv_held(max_concurrency, in_flight, holding)
+        since = self._since_reading(now, stale_after, in_flight=in_flight, held=held, elsewhere=elsewhere)
         if since is None:
             return None  # the engine says nothing of its KV cache
         usage, sent = since
-        return usage + share * (sent + 1)
+        return usage + held * sent + self.kv_per_request(max_concurrency, tokens)
 
     def overflow(
         self,
@@ -192,22 +204,22 @@ class EngineView:
         *,
         in_flight: int,
         max_concurrency: int,
-        tokens: int | None = None,
+        holding: Iterable[int] = (),
         elsewhere: Elsewhere = ALONE,
     ) -> int:
         """This router's requests sent since the reading that the KV cache holds no room for below
         the threshold, as projected: they wait inside the engine for others to finish. A burst
         faster than a scrape queues there before any reading shows it."""
-        share = self.kv_per_request(max_concurrency, tokens)
-        since = self._since_reading(now, stale_after, in_flight=in_flight, share=share, elsewhere=elsewhere)
-        if since is None:
+        held = self._kv_held(max_concurrency, in_flight, holding)
+        since = self._since_reading(now, stale_after, in_flight=in_flight, held=held, elsewhere=elsewhere)
+        if since is None or held <= 0:
             return 0
         usage, sent = since
-        fits = max(0, math.ceil((kv_threshold - usage) / share) - 1)
+        fits = max(0, math.ceil((kv_threshold - usage) / held) - 1)
         return max(0, sent - fits)
 
     def _since_reading(
-        self, now: float, stale_after: float, *, in_flight: int, share: float, elsewhere: Elsewhere
+        self, now: float, stale_after: float, *, in_flight: int, held: float, elsewhere: Elsewhere
     ) -> tuple[float, int] | None:
         """The KV usage of the last reading, with this router's requests in it grown to what they
         will hold, and the router's requests it does not count: with no fresh reading (scrapes
@@ -216,11 +228,11 @@ class EngineView:
 
         An engine that allocates KV as tokens come (vLLM, in blocks) shows a request just admitted
         at its prompt's blocks. The router's own requests in the reading and still running are
-        taken to grow from the reading's usage per running request to `share` by their end, as it
-        takes those sent since (other clients' requests, of unknown length, as read). Taken as it
-        read, a reading in the middle of a burst on the real engines (ten requests of one block, of
-        the two each would hold) let two too many through, and the speculative engine preempted
-        requests to make room for them.
+        taken to grow from the reading's usage per running request to `held` (what the router's
+        requests hold at their end, each) by their end, as it takes those sent since (other
+        clients' requests, of unknown length, as read). Taken as it read, a reading in the middle
+        of a burst on the real engines (ten requests of one block, of the two each would hold) let
+        two too many through, and the speculative engine preempted requests to make room for them.
 
         The other replicas' requests count as this router's do: all of them without a fresh
         reading, else those they sent since their own last reading."""
@@ -232,7 +244,7 @@ class EngineView:
         usage = reading.kv_usage
         if reading.running:
             growing = min(reading.own_in_flight, in_flight)
-            usage += growing * max(0.0, share - reading.kv_usage / reading.running)
+            usage += growing * max(0.0, held - reading.kv_usage / reading.running)
         return usage, max(0, in_flight - reading.own_in_flight) + elsewhere.unread
 
     def has_room(

@@ -191,6 +191,7 @@ class Forwarder:
         tried; a pinned request waits for its one backend like any other."""
         queued_at = self._clock.now()
         exclude = frozenset(route.tried) if route.count else frozenset()
+        tokens = request_tokens(incoming.payload)
         while True:
             backend = await pool.acquire(
                 route.decision.job,
@@ -200,7 +201,7 @@ class Forwarder:
                 only=routed.backend,
                 prefer=None if route.count else routed.prefer,  # where its prompt's prefix is cached
                 # Its KV size matters only for room over a full pool's cap (router.backends.newcomers).
-                tokens=None if pool.has_other(exclude) else request_tokens(incoming.payload),
+                tokens=None if pool.has_other(exclude) else tokens,
             )
             # A slot the other replicas (router.replicas) took meanwhile is given back, and the
             # request waits for another.
@@ -218,6 +219,8 @@ class Forwarder:
         route.count += 1
         route.tried.add(backend.name)
         route.backend = backend
+        if tokens is not None:  # the KV it takes there, for the next request's projection
+            backend.holding[id(incoming)] = tokens
         if incoming.stream:  # shows in the live view while it waits; its prefill queues there
             backend.first_tokens.waiting(id(incoming), now, _prefill(routed, backend, plan))
         return backend
@@ -235,6 +238,7 @@ class Forwarder:
 
     def _release(self, incoming: Incoming, pool: Pool, backend: Backend) -> None:
         backend.first_tokens.forget(id(incoming))
+        backend.holding.pop(id(incoming), None)
         pool.release(backend, client=incoming.client, duration=self._clock.now() - incoming.arrival.started)
         self._replicas.released(backend)
 

@@ -164,7 +164,7 @@ def predicted_ttft(
     )
     if not (waiting or queued or slots_full or no_room):
         return base
-    overflow = backend.overflow(now, stale_after, kv_threshold, tokens)
+    overflow = backend.overflow(now, stale_after, kv_threshold)
     running = max(1.0, float(backend.in_flight - overflow), (reading.running or 0.0) if fresh else 0.0)
     duration = pool.mean_duration if pool.mean_duration is not None else unmeasured
     return base + (waiting + overflow + queued + 1) * duration / running

@@ -172,8 +172,9 @@ def test_a_reading_that_caught_requests_just_admitted_takes_each_at_its_own_leng
     stated = engine_load(sample(SPEC), None, now=10.0)
     view = EngineView()
     view.observe(dataclasses.replace(stated, running=1, waiting=0, kv_usage=1 / 32, scraped_at=10.0, own_in_flight=1))
-    assert view.overflow(10.2, 5.0, 0.9, in_flight=23, max_concurrency=32, tokens=tokens) == overflow
-    kv = view.kv_projected(10.2, 5.0, in_flight=23, max_concurrency=32, tokens=tokens)
+    burst = [tokens] * 23 if tokens is not None else []  # the requests in flight, each of that length
+    assert view.overflow(10.2, 5.0, 0.9, in_flight=23, max_concurrency=32, holding=burst) == overflow
+    kv = view.kv_projected(10.2, 5.0, in_flight=23, max_concurrency=32, tokens=tokens, holding=burst)
     assert kv is not None and (kv >= Routing().kv_threshold) is (tokens is not None)
 
 
@@ -189,8 +190,9 @@ def test_the_requests_a_reading_shows_running_are_taken_at_what_they_will_hold()
         dataclasses.replace(stated, running=10, waiting=0, kv_usage=10 / 32, scraped_at=10.0, own_in_flight=10)
     )
     tokens = 5 + 200  # "Tell me about tides." and its answer: 2 blocks
-    assert view.overflow(10.2, 5.0, 0.9, in_flight=16, max_concurrency=32, tokens=tokens) == 2
-    kv = view.kv_projected(10.2, 5.0, in_flight=16, max_concurrency=32, tokens=tokens)
+    burst = [tokens] * 16
+    assert view.overflow(10.2, 5.0, 0.9, in_flight=16, max_concurrency=32, holding=burst) == 2
+    kv = view.kv_projected(10.2, 5.0, in_flight=16, max_concurrency=32, tokens=tokens, holding=burst)
     assert kv == pytest.approx((10 + 6 + 1) * 2 / 32)
 
 

@@ -1,0 +1,100 @@
+"""The snapshot's view of a pool for one request: the KV its engines' requests in flight hold."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from router.backends.engines import EngineLoad
+from router.backends.pools import Pools
+from router.config import Settings
+from router.routing.learn import SpeedModel
+from router.routing.policy import PoolState
+from router.routing.snapshot import snapshot
+
+NOW = 100.0
+CACHE = 2_097_152  # the shipped `team` profile's KV cache, in tokens
+BATCH = 60 + 256  # a batch job's request: a short prompt and its answer
+PROMPT = 29_000 + 256  # a long conversation's turn: its history and its answer
+
+
+def _pools(backends: dict[str, int]) -> Pools:
+    """A standard pool of the named backends (each with that many slots) and a speculative one."""
+    settings = Settings.model_validate(
+        {
+            "pools": {
+                "fast": {"speculative": True, "backends": {"f1": {"url": "http://127.0.0.1:1"}}},
+                "team": {
+                    "speculative": False,
+                    "backends": {
+                        name: {"url": f"http://127.0.0.1:{2 + i}", "max_concurrency": slots}
+                        for i, (name, slots) in enumerate(backends.items())
+                    },
+                },
+            }
+        }
+    )
+    pools = Pools()
+    pools.configure(settings.pools, settings.health)
+    return pools
+
+
+def _states(pools: Pools, tokens: int | None) -> dict[str, PoolState]:
+    return snapshot(
+        pools,
+        SpeedModel(),
+        now=NOW,
+        stale_after=5.0,
+        kv_threshold=0.9,
+        acceptance_max_age=300.0,
+        tokens=tokens,
+        prefill_token_seconds=5e-5,
+    )
+
+
+def _read(pools: Pools, name: str, *, running: int, kv_usage: float, own: int = 0) -> None:
+    """A fresh reading of a standard engine stating its cache; `own`: this router's requests it counts."""
+    backend = next(b for b in pools["team"].backends if b.name == name)
+    reading = EngineLoad(running=running, waiting=0, kv_usage=kv_usage, scraped_at=NOW, own_in_flight=own)
+    backend.engine.observe(dataclasses.replace(reading, kv_cache_tokens=CACHE, block_size=16))
+
+
+def test_a_batch_job_of_short_requests_leaves_room_for_a_long_prompt() -> None:
+    """A standard engine running 64 short batch requests, 16 of them sent since its reading: each
+    is projected at what it holds (its 316 tokens), and the long turn at its own 29,256. Taking
+    every request in flight at the long turn's size projected the engine 108 % full, and the
+    policy never sent the turn there (spill:spec-prefill found no room)."""
+    pools = _pools({"t1": 128})
+    backend = pools["team"].backends[0]
+    _read(pools, "t1", running=48, kv_usage=0.02, own=48)
+    backend.in_flight = 64
+    backend.holding.update({n: BATCH for n in range(64)})
+    long_turn = -(-PROMPT // 16) * 16 / CACHE
+    # The reading's 48 grow to 320 tokens each at most (they show 0.02 / 48 each, more already).
+    expected = 0.02 + 16 * 320 / CACHE + long_turn
+    assert _states(pools, PROMPT)["team"].kv_usage == pytest.approx(expected)
+    assert backend.overflow(NOW, 5.0, 0.9) == 0
+
+
+def test_long_requests_in_flight_are_not_taken_at_a_short_ones_size() -> None:
+    """The other way round: eight long turns sent since an idle reading hold 11 % of the cache
+    each; a short request next is projected past them, not at 8 of its own size."""
+    pools = _pools({"t1": 128})
+    backend = pools["team"].backends[0]
+    _read(pools, "t1", running=0, kv_usage=0.0)
+    backend.in_flight = 8
+    backend.holding.update({n: 240_000 for n in range(8)})
+    projected = _states(pools, BATCH)["team"].kv_usage
+    assert projected == pytest.approx((8 * 240_000 + 320) / CACHE)
+    assert projected is not None and projected >= 0.9
+    # Of those eight, the KV cache holds seven below the threshold: one waits in the engine.
+    assert backend.overflow(NOW, 5.0, 0.9) == 1
+
+
+def test_requests_in_flight_of_unknown_length_are_taken_as_the_engine_shows_them() -> None:
+    pools = _pools({"t1": 128})
+    backend = pools["team"].backends[0]
+    _read(pools, "t1", running=10, kv_usage=0.1)  # 1 % a request, as seen
+    backend.in_flight = 4  # sent since, no answer limit: lengths unknown
+    assert _states(pools, PROMPT)["team"].kv_usage == pytest.approx(0.1 + 4 * 0.01 + -(-PROMPT // 16) * 16 / CACHE)
