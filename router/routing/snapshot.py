@@ -51,15 +51,18 @@ def snapshot(
             draining = any(b.healthy and b.draining for b in pool.backends)
             states[pool.name] = PoolState(pool.speculative, healthy=False, draining=draining)
             continue
-        projected = [kv for b in accepting if (kv := b.kv_projected(now, stale_after, tokens)) is not None]
+        # Each backend's projection and engine room, once: the queue and the predictions read them.
+        kv = {b.name: b.kv_projected(now, stale_after, tokens) for b in accepting}
+        room = {b.name: b.has_engine_room(now, stale_after, kv_threshold, tokens) for b in accepting}
+        projected = [usage for usage in kv.values() if usage is not None]
         # Requests waiting inside an engine count as a queue only on two scrapes running and
         # while the engine shows no room of its own: one noisy reading moves nobody.
         queued = sum(
             b.engine.reading.queued or 0
             for b in accepting
-            if b.engine.reading.fresh(now, stale_after)
-            and not b.has_engine_room(now, stale_after, kv_threshold, tokens)
+            if b.engine.reading.fresh(now, stale_after) and not room[b.name]
         )
+        in_queue = pool.queued()
         load = {b.name: b.concurrency(now, stale_after) for b in accepting}
         best = min(accepting, key=lambda b: (load[b.name] / b.max_concurrency, b.name))
         concurrency = load[best.name]
@@ -79,6 +82,9 @@ def snapshot(
                 tokens=tokens,
                 unmeasured=unmeasured,
                 prefill=prefills.get(b.name),
+                projected=kv[b.name],
+                engine_room=room[b.name],
+                queued=in_queue,
             )
             for b in accepting
         }
@@ -95,7 +101,7 @@ def snapshot(
         states[pool.name] = PoolState(
             speculative=pool.speculative,
             concurrency=concurrency,
-            has_room=not pool.queued() and any(b.has_room for b in accepting),
+            has_room=not in_queue and any(b.has_room for b in accepting),
             engine_queued=queued,
             kv_usage=min(projected, default=None),  # the emptiest backend is where it would go
             ttft=ttft,
@@ -132,6 +138,9 @@ def predicted_ttft(
     tokens: int | None = None,
     unmeasured: float = UNMEASURED_DURATION,
     prefill: float | None = None,
+    projected: float | None,
+    engine_room: bool,
+    queued: int,
 ) -> float:
     """The first-token wait of one more request on `backend`, predicted.
 
@@ -146,6 +155,9 @@ def predicted_ttft(
 
     With `prefill` (the seconds its own uncached prompt takes there: conversations priced), what
     it takes now is the prefill queue of the streams sent there instead (router.backends.backend).
+
+    `projected`, `engine_room`, `queued`: the backend's `kv_projected` and `has_engine_room` and
+    its pool's queue at `now`, which `snapshot` reads once for the pool's state too.
     """
     first_tokens = backend.first_tokens
     if prefill is None:
@@ -156,12 +168,9 @@ def predicted_ttft(
     reading = backend.engine.reading
     fresh = reading.fresh(now, stale_after)
     waiting = (reading.waiting or 0) if fresh else 0
-    queued = pool.queued()
     slots_full = backend.slots_used >= backend.max_concurrency
-    projected = backend.kv_projected(now, stale_after, tokens)  # past the threshold whenever any overflow
-    no_room = (fresh and not backend.has_engine_room(now, stale_after, kv_threshold, tokens)) or (
-        projected is not None and projected >= kv_threshold
-    )
+    # The projection is past the threshold whenever any request overflows.
+    no_room = (fresh and not engine_room) or (projected is not None and projected >= kv_threshold)
     if not (waiting or queued or slots_full or no_room):
         return base
     overflow = backend.overflow(now, stale_after, kv_threshold)
