@@ -60,7 +60,8 @@ class PoolState:
     # Predicted per-user tok/s for one more request, by content (adaptive mode; None: not learned).
     speed: Mapping[ContentKind, Estimate | None] = field(default_factory=dict)
     # The request's conversation (router.conversations): the backend here most likely holding the
-    # longest prefix of its prompt, within the load bound, and the prompt tokens it holds.
+    # longest prefix of its prompt, within the load bound (else the one its first token is predicted
+    # soonest on), and the prompt tokens it holds.
     prefer: str | None = None
     held: int = 0
     home: bool = False  # the conversation was last placed in this pool...

@@ -36,9 +36,10 @@ def snapshot(
 
     With `cached` (its conversation, router.conversations), the backend most likely holding the
     longest prefix of its prompt is the pool's preferred one unless it is `load_bound` requests
-    busier than the pool's emptiest, and each backend's predicted first token includes the
-    prefill of the part of the prompt it does not hold (no more is held than its engine's free KV
-    space), at its learned rate (else `prefill_token_seconds`)."""
+    busier than the pool's emptiest (else, or where none holds any, the one whose first token is
+    predicted soonest, its prefill queue counted, not the emptiest), and each backend's predicted
+    first token includes the prefill of the part of the prompt it does not hold (no more is held
+    than its engine's free KV space), at its learned rate (else `prefill_token_seconds`)."""
     # A pool that has measured no request yet takes the mean of those that have: the same model
     # and the same requests. An assumed constant would make it look many times slower or faster
     # than one that has, and decide the burst that arrives before it has finished one.
@@ -96,7 +97,13 @@ def snapshot(
             known = holds[holder.name] or holder.name == cached.last
             if known and holder.has_room and load[holder.name] - concurrency <= load_bound:
                 prefer, held = holder.name, holds[holder.name]
-        chosen = prefer if prefer is not None else min(ttfts, key=lambda name: ttfts[name])
+        # Where it goes otherwise: the soonest first token (its prefill queued there counted, if
+        # priced), the emptiest of equals. A cold prompt of a conversation is placed there too.
+        by_name = {b.name: b for b in accepting}
+        soonest = min(ttfts, key=lambda name: (ttfts[name], load[name] / by_name[name].max_concurrency, name))
+        if cached is not None and prefer is None:
+            prefer = soonest
+        chosen = prefer if prefer is not None else soonest
         ttft = ttfts[chosen]
         states[pool.name] = PoolState(
             speculative=pool.speculative,

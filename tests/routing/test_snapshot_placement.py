@@ -1,4 +1,5 @@
-"""The snapshot's view of a pool for one request: the KV its engines' requests in flight hold."""
+"""The snapshot's view of a pool for one request: the KV its engines' requests in flight hold, and
+the backend a cold prompt of a conversation is placed on."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from router.backends.engines import EngineLoad
 from router.backends.pools import Pools
 from router.config import Settings
+from router.routing.conversations import Cached
 from router.routing.learn import SpeedModel
 from router.routing.policy import PoolState
 from router.routing.snapshot import snapshot
@@ -40,7 +42,7 @@ def _pools(backends: dict[str, int]) -> Pools:
     return pools
 
 
-def _states(pools: Pools, tokens: int | None) -> dict[str, PoolState]:
+def _states(pools: Pools, tokens: int | None, cached: Cached | None = None) -> dict[str, PoolState]:
     return snapshot(
         pools,
         SpeedModel(),
@@ -49,6 +51,7 @@ def _states(pools: Pools, tokens: int | None) -> dict[str, PoolState]:
         kv_threshold=0.9,
         acceptance_max_age=300.0,
         tokens=tokens,
+        cached=cached,
         prefill_token_seconds=5e-5,
     )
 
@@ -98,3 +101,25 @@ def test_requests_in_flight_of_unknown_length_are_taken_as_the_engine_shows_them
     _read(pools, "t1", running=10, kv_usage=0.1)  # 1 % a request, as seen
     backend.in_flight = 4  # sent since, no answer limit: lengths unknown
     assert _states(pools, PROMPT)["team"].kv_usage == pytest.approx(0.1 + 4 * 0.01 + -(-PROMPT // 16) * 16 / CACHE)
+
+
+@pytest.mark.anyio
+async def test_a_cold_prompt_goes_where_its_first_token_comes_soonest() -> None:
+    """Two standard backends: t1 is the emptier, but three long prompts sent to it are still
+    waiting for their prefill; t2 runs more requests, none waiting for a first token. A cold
+    prompt of a conversation (no backend holds any of it) goes to t2, where its first token
+    comes sooner; without a conversation, to the emptiest as before."""
+    pools = _pools({"t1": 32, "t2": 32})
+    t1, t2 = pools["team"].backends
+    for name in ("t1", "t2"):
+        _read(pools, name, running=0, kv_usage=0.0)
+    t1.in_flight, t2.in_flight = 3, 8
+    for n in range(3):
+        t1.first_tokens.waiting(n, NOW, prefill=1.0)  # 20,000 tokens each at 50 us a token
+    cold = Cached(tokens=20_000, held={})
+    states = _states(pools, 20_256, cold)
+    assert states["team"].prefer == "t2"
+    assert states["team"].prefill == pytest.approx(1.0)  # its own prefill, nothing ahead of it
+    assert (await pools["team"].acquire("interactive", prefer=states["team"].prefer)).name == "t2"
+    assert _states(pools, 20_256)["team"].prefer is None
+    assert (await pools["team"].acquire("interactive")).name == "t1"
