@@ -107,6 +107,18 @@ class ConversationsResult:
             "returns": self.returns(),
             "batch_tokens_per_second": batch_tokens / self.batch_seconds if self.batch_seconds else 0.0,
             "batch_errors": sum(1 for r in self.batch if not r.ok),
+            # Each first turn in the order sent: where it went, why, and its first token.
+            "first_turns": [
+                {
+                    "user": t.user,
+                    "start": round(t.record.start, 3),
+                    "ttft": t.record.ttft,
+                    "pool": t.record.pool,
+                    "reason": t.record.reason,
+                    "prompt_tokens": t.record.prompt_tokens,
+                }
+                for t in sorted((t for t in self.turns if t.turn == 0), key=lambda t: t.record.start)
+            ],
         }
 
     def switches(self) -> int:
