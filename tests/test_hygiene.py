@@ -167,3 +167,4 @@ def test_a_storm_of_cancellations_leaves_nothing_open(make_cluster: Any) -> None
         state = cluster.app.state.router
         assert state.transport.in_use == 0
         assert sum(p.in_flight for p in state.pools) == 0
+        assert not any(b.holding for b in state.pools.backends())  # nor the KV they held

@@ -268,3 +268,18 @@ def test_overflow_counts_only_what_the_reading_does_not() -> None:
     assert engine.overflow(100.1, 5.0, 0.9, in_flight=20, max_concurrency=32) == 3
     # Stale: the router's own requests from an empty cache (0.05 each: 17 fit).
     assert engine.overflow(106.0, 5.0, 0.9, in_flight=20, max_concurrency=32) == 3
+
+
+@pytest.mark.e2e
+def test_a_request_in_flight_counts_in_the_kv_projection_at_its_own_length(cluster: Cluster) -> None:
+    """A stream in flight on the standard engine is held there at its own prompt and answer, for
+    the next request's KV projection (router.backends.engines), and let go when it ends (here:
+    its client leaves, the answer 30 s from its end)."""
+    cluster.team.token_delay = 0.5
+    backend = cluster.app.state.router.pools["team"].backends[0]
+    body = {**_stream_body(), "messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 60}
+    with httpx.stream("POST", cluster.base_url + "/chat/completions", json=body, headers={"X-Route-Pool": "team"}) as r:
+        pieces = r.iter_raw()  # kept: a generator dropped closes the response
+        next(pieces)  # under way
+        assert list(backend.holding.values()) == [1000 + 60]  # 4 characters a token, and its answer
+    assert wait_until(lambda: not backend.holding and not backend.in_flight, message="the request let go")
