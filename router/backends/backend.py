@@ -52,9 +52,16 @@ class FirstTokens:
         """Seconds the oldest stream sent here has waited without a first token (0: none waits)."""
         return now - min(sent for sent, _ in self._waiting.values()) if self._waiting else 0.0
 
-    def predicted(self, now: float, prefill: float) -> float:
-        """The first token of a stream sent now whose own prefill takes `prefill` seconds."""
-        return min(self._beyond, default=0.0) + self.ahead(now) + prefill
+    @property
+    def overhead(self) -> float | None:
+        """The least a recent first token took beyond its predicted prefill (None: none measured)."""
+        return min(self._beyond, default=None)
+
+    def predicted(self, now: float, prefill: float, unmeasured: float = 0.0) -> float:
+        """The first token of a stream sent now whose own prefill takes `prefill` seconds; until
+        a first token here is measured, its overhead taken as `unmeasured`."""
+        overhead = self.overhead
+        return (unmeasured if overhead is None else overhead) + self.ahead(now) + prefill
 
     def ahead(self, now: float) -> float:
         """Seconds of prefill predicted ahead of a prompt sent now: what is left of the prompts

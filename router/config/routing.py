@@ -262,7 +262,8 @@ class Conversations(Section):
         default=0.3,
         ge=0,
         lt=1,
-        description="Share of the predicted first token a long conversation must gain to change pools.",
+        description="Share of the predicted first token a long conversation must gain to change pools, and a "
+        "prompt no backend holds any of to go to another backend of its pool than the emptiest.",
     )
     settle_seconds: float = Field(
         default=60.0,

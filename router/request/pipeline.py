@@ -127,6 +127,7 @@ class Pipeline:
                     tokens=request_tokens(incoming.payload),
                     cached=cached,
                     load_bound=plan.conversations.load_bound,
+                    min_gain=plan.conversations.min_gain,
                     prefill_token_seconds=plan.conversations.prefill_token_seconds,
                 )
                 routed = decide(

@@ -30,6 +30,7 @@ def snapshot(
     cached: Cached | None = None,
     load_bound: int = 0,
     prefill_token_seconds: float = 0.0,
+    min_gain: float = 0.0,
 ) -> dict[str, PoolState]:
     """The live state of every pool, as the policy sees it for a request of `tokens` (its length
     at its end, router.content; None: not known).
@@ -37,9 +38,10 @@ def snapshot(
     With `cached` (its conversation, router.conversations), the backend most likely holding the
     longest prefix of its prompt is the pool's preferred one unless it is `load_bound` requests
     busier than the pool's emptiest (else, or where none holds any, the one whose first token is
-    predicted soonest, its prefill queue counted, not the emptiest), and each backend's predicted
-    first token includes the prefill of the part of the prompt it does not hold (no more is held
-    than its engine's free KV space), at its learned rate (else `prefill_token_seconds`)."""
+    predicted `min_gain` sooner than on the emptiest, its prefill queue counted, if one is; else the
+    emptiest), and each backend's predicted first token includes the prefill of the part of the
+    prompt it does not hold (no more is held than its engine's free KV space), at its learned rate
+    (else `prefill_token_seconds`)."""
     # A pool that has measured no request yet takes the mean of those that have: the same model
     # and the same requests. An assumed constant would make it look many times slower or faster
     # than one that has, and decide the burst that arrives before it has finished one.
@@ -73,6 +75,9 @@ def snapshot(
         prefills = {b.name: prefill_seconds(b, cached.tokens - holds[b.name], prefill_token_seconds)
                     for b in accepting} if cached else {}  # fmt: skip
         backlog = {b.name: b.first_tokens.ahead(now) for b in accepting} if cached else {}  # sent before it
+        # A backend that has served no first token yet is taken at the least overhead the others
+        # measured: at none, it would look the soonest however busy, and take every cold prompt.
+        overhead = min((o for b in accepting if (o := b.first_tokens.overhead) is not None), default=0.0)
         ttfts = {
             b.name: predicted_ttft(
                 b,
@@ -83,6 +88,7 @@ def snapshot(
                 tokens=tokens,
                 unmeasured=unmeasured,
                 prefill=prefills.get(b.name),
+                overhead=overhead,
                 projected=kv[b.name],
                 engine_room=room[b.name],
                 queued=in_queue,
@@ -97,11 +103,10 @@ def snapshot(
             known = holds[holder.name] or holder.name == cached.last
             if known and holder.has_room and load[holder.name] - concurrency <= load_bound:
                 prefer, held = holder.name, holds[holder.name]
-        # Where it goes otherwise: the soonest first token (its prefill queued there counted, if
-        # priced), the emptiest of equals. A cold prompt of a conversation is placed there too.
-        by_name = {b.name: b for b in accepting}
-        soonest = min(ttfts, key=lambda name: (ttfts[name], load[name] / by_name[name].max_concurrency, name))
-        if cached is not None and prefer is None:
+        soonest = min(ttfts, key=lambda name: ttfts[name])
+        if cached is not None and prefer is None and ttfts[soonest] < ttfts[best.name] * (1 - min_gain):
+            # None holds it: where its first token comes `min_gain` sooner than on the emptiest
+            # (the prompts queued there for their prefill counted), else the emptiest.
             prefer = soonest
         chosen = prefer if prefer is not None else soonest
         ttft = ttfts[chosen]
@@ -145,6 +150,7 @@ def predicted_ttft(
     tokens: int | None = None,
     unmeasured: float = UNMEASURED_DURATION,
     prefill: float | None = None,
+    overhead: float = 0.0,
     projected: float | None,
     engine_room: bool,
     queued: int,
@@ -161,7 +167,8 @@ def predicted_ttft(
     queue.
 
     With `prefill` (the seconds its own uncached prompt takes there: conversations priced), what
-    it takes now is the prefill queue of the streams sent there instead (router.backends.backend).
+    it takes now is the prefill queue of the streams sent there instead (router.backends.backend),
+    with `overhead` beyond it until the backend has measured its own.
 
     `projected`, `engine_room`, `queued`: the backend's `kv_projected` and `has_engine_room` and
     its pool's queue at `now`, which `snapshot` reads once for the pool's state too.
@@ -171,7 +178,7 @@ def predicted_ttft(
         recent = sorted(itertools.islice(reversed(first_tokens.recent), 8))  # the last 8, not a copy of all
         base = max(recent[len(recent) // 2] if recent else 0.0, first_tokens.oldest_wait(now))
     else:
-        base = first_tokens.predicted(now, prefill)
+        base = first_tokens.predicted(now, prefill, overhead)
     reading = backend.engine.reading
     fresh = reading.fresh(now, stale_after)
     waiting = (reading.waiting or 0) if fresh else 0

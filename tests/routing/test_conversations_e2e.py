@@ -117,9 +117,7 @@ def test_the_session_header_names_the_conversation(cluster: tuple[ServerThread, 
     again = _talk(router, 1, 1, headers={"X-Session-ID": "abc"})
     assert again == first[:1]
     other = _talk(router, 2, 1, headers={"X-Session-ID": "xyz"})
-    # A new session, both engines idle: where its first token is predicted soonest, team-2, which
-    # has served nothing (team-1's measured overhead beyond its prefills is counted).
-    assert other == ["team-2"]
+    assert other == ["team-1"]  # a new session: the emptiest (on a tie, the first)
 
 
 # Real time, and a first-token target of 1.5 s: a cold prompt of 20,000 tokens takes about 1.2 s

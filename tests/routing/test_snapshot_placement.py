@@ -43,6 +43,7 @@ def _pools(backends: dict[str, int]) -> Pools:
 
 
 def _states(pools: Pools, tokens: int | None, cached: Cached | None = None) -> dict[str, PoolState]:
+    """The pools' states, with conversations' settings as shipped (a 30 % gain to leave the emptiest)."""
     return snapshot(
         pools,
         SpeedModel(),
@@ -53,6 +54,7 @@ def _states(pools: Pools, tokens: int | None, cached: Cached | None = None) -> d
         tokens=tokens,
         cached=cached,
         prefill_token_seconds=5e-5,
+        min_gain=0.3,
     )
 
 
@@ -123,3 +125,20 @@ async def test_a_cold_prompt_goes_where_its_first_token_comes_soonest() -> None:
     assert (await pools["team"].acquire("interactive", prefer=states["team"].prefer)).name == "t2"
     assert _states(pools, 20_256)["team"].prefer is None
     assert (await pools["team"].acquire("interactive")).name == "t1"
+
+
+def test_a_backend_that_has_measured_nothing_does_not_look_the_soonest() -> None:
+    """t1 has served first tokens, 0.2 s beyond their prefill each; t2 has just joined the pool
+    and runs three requests (a name that resolved to it again, router.backends.discovery). Taken
+    at no overhead, t2 looked the soonest for every cold prompt however busy; taken at t1's, the
+    two are equal and the emptier takes it."""
+    pools = _pools({"t1": 32, "t2": 32})
+    t1, t2 = pools["team"].backends
+    for name in ("t1", "t2"):
+        _read(pools, name, running=0, kv_usage=0.0)
+    t1.first_tokens.waiting("earlier", NOW - 5, prefill=0.1)
+    t1.first_tokens.arrived("earlier", 0.3)
+    t2.in_flight = 3
+    states = _states(pools, 256, Cached(tokens=200, held={}))
+    assert states["team"].prefer is None  # neither is sooner: the emptiest, t1
+    assert states["team"].ttft == pytest.approx(0.2 + 200 * 5e-5)
