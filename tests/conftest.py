@@ -9,6 +9,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
@@ -47,6 +48,19 @@ class Cluster:
         self.router = router
         self.registry = registry
         self.config: dict[str, Any] = {}  # the settings it started with, as plain data
+        self._clients: list[openai.OpenAI] = []
+
+    def client(self, api_key: str = "none", **options: Any) -> openai.OpenAI:
+        """An SDK client of this router, closed with the cluster. A client left open holds its
+        sockets in a reference cycle, and the garbage collector may close them in any later test:
+        under `filterwarnings = error` their ResourceWarning fails that test."""
+        client = openai.OpenAI(base_url=self.base_url, api_key=api_key, **{"max_retries": 0, **options})
+        self._clients.append(client)
+        return client
+
+    def close_clients(self) -> None:
+        for client in self._clients:
+            client.close()
 
     @property
     def base_url(self) -> str:
@@ -125,9 +139,28 @@ def running_cluster(
         app = create_app(Settings(**data), registry=registry, load=load, clock=clock, live_clock=live_clock)
         router = stack.enter_context(ServerThread(app, fast=True))
         cluster = Cluster(fast, team, router, app, registry)
+        stack.callback(cluster.close_clients)
         cluster.more_fast = more
         cluster.config = data
         yield cluster
+
+
+SDK = Callable[..., openai.OpenAI]
+
+
+@pytest.fixture
+def sdk() -> Iterator[SDK]:
+    """SDK clients of any server (`sdk(url, api_key=..., ...)`, url ending before /v1), closed
+    when the test ends: see Cluster.client."""
+    made: list[openai.OpenAI] = []
+
+    def client(url: str, api_key: str = "none", **options: Any) -> openai.OpenAI:
+        made.append(openai.OpenAI(base_url=url + "/v1", api_key=api_key, **{"max_retries": 0, **options}))
+        return made[-1]
+
+    yield client
+    for each in made:
+        each.close()
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@ import time
 from collections.abc import Iterator
 
 import httpx
-import openai
 import pytest
+
+from tests.conftest import SDK
 
 pytestmark = pytest.mark.e2e  # the demo cluster in its own process
 
@@ -49,8 +50,8 @@ def base_url() -> Iterator[str]:
     assert code == 0
 
 
-def test_openai_client_streams_through_the_embedded_cluster(base_url: str) -> None:
-    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
+def test_openai_client_streams_through_the_embedded_cluster(base_url: str, sdk: SDK) -> None:
+    client = sdk(base_url.removesuffix("/v1"))
     raw = client.chat.completions.with_raw_response.create(
         model="glm-5.3-flash",
         messages=[{"role": "user", "content": "Tell me about tides."}],

@@ -61,9 +61,7 @@ def test_unknown_pool_header_is_400(cluster: Cluster) -> None:
 
 
 def test_unknown_job_type_is_400_through_the_sdk(cluster: Cluster) -> None:
-    client = openai.OpenAI(
-        base_url=cluster.base_url, api_key="k", max_retries=0, default_headers={"X-Job-Type": "urgent"}
-    )
+    client = cluster.client("k", default_headers={"X-Job-Type": "urgent"})
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="test-model", prompt="x")
     assert caught.value.code == "unknown_job_type"

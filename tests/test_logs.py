@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from router.clock import ManualClock
@@ -39,7 +38,7 @@ def _records(caplog: pytest.LogCaptureFixture, count: int) -> list[logging.LogRe
 @pytest.mark.e2e
 def test_access_line_as_json_and_text(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="specroute.access"):
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="sk-secret-key-123", max_retries=0)
+        client = cluster.client("sk-secret-key-123")
         for _chunk in client.chat.completions.create(
             model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
         ):

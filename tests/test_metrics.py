@@ -9,7 +9,6 @@ import subprocess
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from tests.conftest import Cluster
@@ -24,7 +23,7 @@ INTERACTIVE = {"pool": "fast", "backend": "fast-1", "job_class": "interactive"}
 @pytest.mark.skipif(promtool is None and not os.environ.get("CI"), reason="promtool not installed")
 def test_exposition_passes_promtool(cluster: Cluster) -> None:
     assert promtool is not None, "CI installs Debian's prometheus package for promtool"
-    client = openai.OpenAI(base_url=cluster.base_url, api_key="k", max_retries=0)
+    client = cluster.client("k")
     for _chunk in client.chat.completions.create(
         model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
     ):
@@ -60,7 +59,7 @@ def _series(cluster: Cluster, name: str) -> list[dict[str, str]]:
 
 
 def test_no_label_is_one_prometheus_sets_itself(cluster: Cluster) -> None:
-    openai.OpenAI(base_url=cluster.base_url, api_key="k").completions.create(model="test-model", prompt="x")
+    cluster.client("k", max_retries=2).completions.create(model="test-model", prompt="x")
     cluster.settled_metric("specroute_request_duration_seconds_count", 1, **INTERACTIVE, model="test-model")
     labels = {label for family in cluster.registry.collect() for s in family.samples for label in s.labels}
     assert "job_class" in labels
@@ -68,7 +67,7 @@ def test_no_label_is_one_prometheus_sets_itself(cluster: Cluster) -> None:
 
 
 def test_a_whole_answer_gets_a_duration_and_labels(cluster: Cluster) -> None:
-    client = openai.OpenAI(base_url=cluster.base_url, api_key="k", max_retries=0)
+    client = cluster.client("k")
     client.completions.create(model="test-model", prompt="x", max_tokens=4, extra_headers={"X-Job-Type": "batch"})
     labels = {"pool": "team", "backend": "team-1", "job_class": "batch", "model": "test-model"}
     assert cluster.settled_metric("specroute_request_duration_seconds_count", 1, **labels) == 1

@@ -96,8 +96,7 @@ def test_the_metrics_reference_is_what_a_live_router_serves(tmp_path: Path) -> N
         }
         config.write_text(yaml.safe_dump({"pools": pools, "scrape": {"interval": 0.1}}))
         with serve(config) as (_, url):
-            client = openai.OpenAI(base_url=url + "/v1", api_key="none")
-            with client:
+            with openai.OpenAI(base_url=url + "/v1", api_key="none") as client:
                 stream = client.chat.completions.create(
                     model="test-model", stream=True, messages=[{"role": "user", "content": "hi"}]
                 )

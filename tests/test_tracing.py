@@ -76,7 +76,7 @@ def receiver() -> Iterator[tuple[Receiver, str]]:
 
 
 def _client(cluster: Cluster) -> OpenAI:
-    return OpenAI(base_url=cluster.base_url, api_key="x", max_retries=0)
+    return cluster.client("x")
 
 
 def _chat(client: OpenAI, *, stream: bool, traceparent: str | None = None) -> None:

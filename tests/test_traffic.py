@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import openai
 import pytest
 
 from router.clock import ManualClock
@@ -119,7 +118,7 @@ def test_garbage_in_the_file_is_skipped_when_read(tmp_path: Path) -> None:
 def test_the_router_records_what_it_served_and_export_writes_it(tmp_path: Path) -> None:
     path = tmp_path / "traffic.jsonl"
     with running_cluster(traffic={"path": str(path), "flush_seconds": 0.05}) as cluster:
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="sk-team", max_retries=0)
+        client = cluster.client("sk-team")
         secret = "the prompt text that must never be written"
         for _chunk in client.chat.completions.create(
             model="test-model", messages=[{"role": "user", "content": secret}], max_tokens=3, stream=True
@@ -161,7 +160,7 @@ def test_the_configured_session_header_names_the_conversation(tmp_path: Path) ->
     with running_cluster(
         traffic={"path": str(path), "flush_seconds": 0.05}, conversations={"session_header": "X-Thread"}
     ) as cluster:
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="sk-team", max_retries=0)
+        client = cluster.client("sk-team")
         for thread in ("t-1", "t-1", "t-2"):
             client.chat.completions.create(
                 model="test-model",
@@ -180,7 +179,7 @@ def test_one_session_id_from_two_clients_is_two_conversations(tmp_path: Path) ->
     path = tmp_path / "traffic.jsonl"
     with running_cluster(traffic={"path": str(path), "flush_seconds": 0.05}) as cluster:
         for key in ("sk-alice-1", "sk-bob-2", "sk-alice-1"):
-            client = openai.OpenAI(base_url=cluster.base_url, api_key=key, max_retries=0)
+            client = cluster.client(key)
             client.chat.completions.create(
                 model="test-model",
                 messages=[{"role": "user", "content": "hi"}],

@@ -59,7 +59,7 @@ def keyed(
 
 
 def test_whole_cycle_with_the_sync_sdk(keyed: Cluster) -> None:
-    client = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
+    client = keyed.client("alice-key")
     uploaded = client.files.create(file=("input.jsonl", batch_input(20)), purpose="batch")
     assert uploaded.purpose == "batch" and uploaded.filename == "input.jsonl" and uploaded.bytes == len(batch_input(20))
     assert client.files.retrieve(uploaded.id).id == uploaded.id
@@ -139,7 +139,7 @@ def test_a_line_the_engine_rejects_goes_to_the_error_file_async(keyed: Cluster) 
 
 
 def test_a_line_whose_url_is_not_the_batchs_endpoint_makes_it_failed(keyed: Cluster) -> None:
-    client = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
+    client = keyed.client("alice-key")
     elsewhere = batch_input(1, prefix="e", url="/v1/embeddings") + batch_input(1, prefix="c", url="/v1/completions")
     content = batch_input(2) + elsewhere
     uploaded = client.files.create(file=("mixed.jsonl", content), purpose="batch")  # each line is valid
@@ -169,7 +169,7 @@ def test_a_line_answered_other_than_2xx_goes_to_the_error_file(
     # A 3xx is no success: never in the output file. A 429 is tried again, `max_attempts` in all.
     with make_cluster(batch={**FAST, "max_attempts": 2}) as cluster:
         cluster.team.fail_status = status
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        client = cluster.client("none")
         uploaded = client.files.create(file=("one.jsonl", batch_input(1)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -199,7 +199,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize(("content", "line", "why"), MALFORMED)
 def test_a_malformed_file_is_400_naming_the_line(keyed: Cluster, content: bytes, line: int, why: str) -> None:
-    client = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
+    client = keyed.client("alice-key")
     with pytest.raises(openai.BadRequestError) as caught:
         client.files.create(file=("bad.jsonl", content), purpose="batch")
     _assert_invalid_file(caught.value, line, why)
@@ -228,8 +228,8 @@ def _assert_invalid_file(caught: openai.BadRequestError, line: int, why: str) ->
 def test_a_list_cursor_naming_another_keys_file_says_nothing_of_it(keyed: Cluster) -> None:
     # Bob's page after Alice's file id is the page after an id that does not exist: a cursor
     # that moved would tell Bob that the id exists, and when it was made.
-    alice = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
-    bob = openai.OpenAI(base_url=keyed.base_url, api_key="bob-key", max_retries=0)
+    alice = keyed.client("alice-key")
+    bob = keyed.client("bob-key")
     first = bob.files.create(file=("b1.jsonl", batch_input(1)), purpose="batch")
     hers = alice.files.create(file=("a.jsonl", batch_input(1)), purpose="batch")
     second = bob.files.create(file=("b2.jsonl", batch_input(1)), purpose="batch")
@@ -246,8 +246,8 @@ def test_a_list_cursor_naming_another_keys_file_says_nothing_of_it(keyed: Cluste
 
 
 def test_another_keys_files_and_batches_are_404(keyed: Cluster) -> None:
-    alice = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
-    bob = openai.OpenAI(base_url=keyed.base_url, api_key="bob-key", max_retries=0)
+    alice = keyed.client("alice-key")
+    bob = keyed.client("bob-key")
     uploaded = alice.files.create(file=("a.jsonl", batch_input(2)), purpose="batch")
     batch = alice.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     for attempt in _foreign_attempts(bob, batch.id, uploaded.id):
@@ -316,7 +316,7 @@ async def _files_async(client: openai.AsyncOpenAI, *file_ids: str | None) -> lis
 def test_cancel_keeps_the_lines_done(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
     with make_cluster(batch={**FAST, "max_concurrency": 2}) as cluster:
         cluster.team.token_delay = 0.05  # 4 tokens: 0.2 s a line
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        client = cluster.client("none")
         uploaded = client.files.create(file=("slow.jsonl", batch_input(40)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -389,7 +389,7 @@ def test_a_batch_expires_after_its_window_with_the_lines_done(
     clock = FakeClock()
     with make_cluster(clock=clock, batch={**FAST, "max_concurrency": 2}) as cluster:
         cluster.team.token_delay = 0.05
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        client = cluster.client("none")
         uploaded = client.files.create(file=("slow.jsonl", batch_input(40)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -444,7 +444,7 @@ def test_the_status_page_counts_lines_and_lines_per_second(
 ) -> None:
     clock = FakeClock()  # lines per second is read off the batches' clock: this one moves when told
     with make_cluster(clock=clock, batch=FAST) as cluster:
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        client = cluster.client("none")
         content = batch_input(11) + batch_input(1, prefix="bad", model="no-such-model")
         uploaded = client.files.create(file=("a.jsonl", content), purpose="batch")
         batch = client.batches.create(
@@ -468,7 +468,7 @@ def test_the_status_page_counts_lines_and_lines_per_second(
 def test_batches_take_turns(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
     with make_cluster(batch={**FAST, "max_concurrency": 1}) as cluster:
         cluster.team.token_delay = 0.02
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        client = cluster.client("none")
         first = client.files.create(file=("a.jsonl", batch_input(12, prefix="a")), purpose="batch")
         second = client.files.create(file=("b.jsonl", batch_input(6, prefix="b")), purpose="batch")
         batches = [
@@ -534,7 +534,7 @@ def test_hostile_uploads_are_answered_and_nothing_is_kept(keyed: Cluster) -> Non
         answer = httpx.request(method, keyed.base_url + path, headers=headers)
         assert answer.status_code in (404, 405) and "error" in answer.json()
     assert not keyed.team.requests and not keyed.fast.requests
-    client = openai.OpenAI(base_url=keyed.base_url, api_key="alice-key", max_retries=0)
+    client = keyed.client("alice-key")
     assert not list(client.files.list())
     assert keyed.metric("specroute_in_flight_requests", pool="team", backend="team-1") == 0
     assert client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}]).choices
@@ -543,7 +543,7 @@ def test_hostile_uploads_are_answered_and_nothing_is_kept(keyed: Cluster) -> Non
 def test_file_and_storage_limits(monkeypatch: pytest.MonkeyPatch, make_cluster: Callable[..., Any]) -> None:
     one = len(batch_input(1))
     with make_cluster(batch={**FAST, "max_file_bytes": 3 * one, "max_storage_bytes": 5 * one}) as cluster:
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        client = cluster.client("none")
         with pytest.raises(openai.APIStatusError) as caught:
             client.files.create(file=("big.jsonl", batch_input(4)), purpose="batch")
         assert caught.value.status_code == 413 and caught.value.code == "file_too_large"
@@ -562,7 +562,7 @@ def test_storage_counts_a_batchs_lines_and_its_output_files(
     with make_cluster(batch={**FAST, "max_storage_bytes": limit}) as cluster:
         gate = threading.Event()
         cluster.team.gate = gate  # the lines wait in the engine: the batch stays unfinished
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        client = cluster.client("none")
 
         def full(content: bytes) -> None:
             with pytest.raises(openai.APIStatusError) as caught:
@@ -590,7 +590,7 @@ def test_batch_lines_leave_room_for_live_requests(make_cluster: Callable[..., Ab
     with make_cluster(batch={**FAST, "reserve_slots": 2}) as cluster:
         cluster.team.token_delay = 0.02
         pools = cluster.app.state.router.pools
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        client = cluster.client("none")
         uploaded = client.files.create(file=("a.jsonl", batch_input(60)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -629,7 +629,7 @@ def test_batch_lines_are_trusted_without_opening_overrides_to_clients(
     monkeypatch.setenv("SPECROUTE_TEST_OVERRIDE_KEYS", "ops-key")
     auth = {"client_keys_env": KEYS_ENV, "override_keys_env": "SPECROUTE_TEST_OVERRIDE_KEYS"}
     with make_cluster(auth={**auth, "untrusted_overrides": "reject"}, batch=FAST) as cluster:
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="alice-key", max_retries=0)
+        client = cluster.client("alice-key")
         with pytest.raises(openai.PermissionDeniedError):
             client.chat.completions.create(
                 model="test-model", messages=[{"role": "user", "content": "x"}], extra_headers={"X-Job-Type": "batch"}
@@ -661,12 +661,12 @@ def test_two_routers_on_one_store_run_each_line_once(
     with make_cluster(batch=shared) as first, make_cluster(batch=shared) as second:
         for cluster in (first, second):
             cluster.team.token_delay = token_delay
-        client = openai.OpenAI(base_url=first.base_url, api_key="none", max_retries=0)
+        client = first.client("none")
         uploaded = client.files.create(file=("a.jsonl", batch_input(lines)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
-        done = _finished(openai.OpenAI(base_url=second.base_url, api_key="none", max_retries=0), batch.id, timeout=40)
+        done = _finished(second.client("none"), batch.id, timeout=40)
         assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == lines
         sent = [_custom_id(seen.body) for cluster in (first, second) for seen in cluster.team.requests]
         assert sorted(sent) == sorted(f"r-{i}" for i in range(lines))  # each line sent once, by one router
@@ -699,7 +699,7 @@ def test_the_batch_backs_off_when_live_requests_queue_on_its_pool(
 ) -> None:
     with make_cluster(batch={**FAST, "max_concurrency": 8}) as cluster:
         cluster.team.token_delay = 0.05  # a batch line: 4 tokens, 0.2 s
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        client = cluster.client("none")
         uploaded = client.files.create(file=("a.jsonl", batch_input(400)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -735,7 +735,7 @@ def test_the_batch_backs_off_when_live_requests_queue_on_its_pool(
 
 def _grown_batch(cluster: Cluster, lines: int) -> tuple[openai.OpenAI, str]:
     """A batch of `lines` running, once its concurrency limit has grown to 4 (nothing pushed back)."""
-    client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+    client = cluster.client("none")
     uploaded = client.files.create(file=("a.jsonl", batch_input(lines)), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     _wait(lambda: cluster.metric("specroute_batch_concurrency_limit") >= 4)
@@ -839,7 +839,7 @@ def test_the_speculative_pools_idle_room_only_when_allowed(
         cluster.team.healthy = False
         _wait(lambda: not httpx.get(cluster.router.url + "/readyz").json()["backends"]["team-1"])
         cluster.fast.token_delay = 0.02
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        client = cluster.client("none")
         uploaded = client.files.create(file=("a.jsonl", batch_input(30)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -868,7 +868,7 @@ def test_a_store_that_cannot_be_opened_leaves_live_traffic_served(
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with make_cluster(batch={"store_dir": str(blocker / "store")}) as cluster:
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        client = cluster.client("none")
         assert client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}]).choices
         answer = httpx.get(cluster.base_url + "/batches")
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "batch_store_unavailable"

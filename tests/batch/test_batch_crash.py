@@ -10,10 +10,10 @@ import sqlite3
 import time
 from pathlib import Path
 
-import openai
 import pytest
 
 from tests.batches import batch_input, router_config
+from tests.conftest import SDK
 from tests.fake_engine import FakeEngine
 from tests.servers import ServerThread, serve
 
@@ -29,7 +29,7 @@ def _recorded(store: Path) -> set[str]:
         return {custom_id for (custom_id,) in db.execute("SELECT custom_id FROM lines WHERE done = 1")}
 
 
-def test_a_batch_survives_sigkill_and_each_line_is_answered_once(tmp_path: Path) -> None:
+def test_a_batch_survives_sigkill_and_each_line_is_answered_once(tmp_path: Path, sdk: SDK) -> None:
     engine = FakeEngine(token_delay=0.02)  # in this process: it outlives the router
     with ServerThread(engine.app()) as server:
         store = tmp_path / "store"
@@ -37,7 +37,7 @@ def test_a_batch_survives_sigkill_and_each_line_is_answered_once(tmp_path: Path)
         config = router_config(tmp_path, server.url, slots=CONCURRENCY, batch=stored)
 
         with serve(config) as (process, url):
-            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            client = sdk(url)
             uploaded = client.files.create(file=("lines.jsonl", batch_input(LINES, prefix="line")), purpose="batch")
             batch = client.batches.create(
                 input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -53,7 +53,7 @@ def test_a_batch_survives_sigkill_and_each_line_is_answered_once(tmp_path: Path)
         assert 40 <= len(recorded) < LINES
 
         with serve(config) as (process, url):
-            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            client = sdk(url)
             deadline = time.monotonic() + 60
             while (done := client.batches.retrieve(batch.id)).status != "completed":
                 assert time.monotonic() < deadline, f"not resumed: {done}"

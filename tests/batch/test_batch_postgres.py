@@ -68,8 +68,8 @@ def test_whole_cycle_with_the_sdk_on_postgres(
 ) -> None:
     monkeypatch.setenv(KEYS_ENV, "alice-key,bob-key")
     with make_cluster(auth={"client_keys_env": KEYS_ENV}, batch=_store()) as cluster:
-        alice = openai.OpenAI(base_url=cluster.base_url, api_key="alice-key", max_retries=0)
-        bob = openai.OpenAI(base_url=cluster.base_url, api_key="bob-key", max_retries=0)
+        alice = cluster.client("alice-key")
+        bob = cluster.client("bob-key")
         # A file of several chunks (1 MiB each) comes back byte for byte.
         big = batch_input(12_000, prefix="big")
         assert len(big) > 2 * 1024 * 1024
@@ -156,15 +156,15 @@ def test_two_routers_share_one_postgres_store_and_one_is_killed(
             for name in ("a", "b")
         ]
         (first, first_url), (_, second_url) = (stack.enter_context(serve(config)) for config in configs)
-        alice = openai.OpenAI(base_url=first_url + "/v1", api_key="alice-key", max_retries=0)
+        alice = stack.enter_context(openai.OpenAI(base_url=first_url + "/v1", api_key="alice-key", max_retries=0))
         uploaded = alice.files.create(file=("lines.jsonl", batch_input(LINES, max_tokens=4)), purpose="batch")
         batch = alice.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         # Another key's batch is not found on either router.
         for url in (first_url, second_url):
-            with pytest.raises(openai.NotFoundError):
-                openai.OpenAI(base_url=url + "/v1", api_key="bob-key", max_retries=0).batches.retrieve(batch.id)
+            with pytest.raises(openai.NotFoundError), openai.OpenAI(base_url=url + "/v1", api_key="bob-key") as bob:
+                bob.batches.retrieve(batch.id)
 
         wait_until(
             lambda: _lines_done(first_url) >= 10 and _lines_done(second_url) >= 10,
@@ -178,7 +178,7 @@ def test_two_routers_share_one_postgres_store_and_one_is_killed(
         assert set(sent_before.values()) == {1}, sent_before.most_common(3)
         assert len(sent_before) < LINES, "the batch was over before the kill"
 
-        second = openai.OpenAI(base_url=second_url + "/v1", api_key="alice-key", max_retries=0)
+        second = stack.enter_context(openai.OpenAI(base_url=second_url + "/v1", api_key="alice-key", max_retries=0))
         done = _finished(second, batch.id, timeout=90)
         assert done.status == "completed" and done.output_file_id is not None
         output = _jsonl(second.files.content(done.output_file_id).content)
@@ -275,7 +275,7 @@ def test_a_database_out_of_reach_is_503_and_live_traffic_is_served(
             error = answer.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["code"] == "batch_store_unavailable"
             assert httpx.get(cluster.router.url + "/readyz").status_code == 200
-            client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+            client = cluster.client("none")
             assert client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
             status = httpx.get(cluster.router.url + "/router/status").json()["batches"]
             assert status["store"] is None and DSN_ENV in status["store_error"]
@@ -494,7 +494,7 @@ def test_a_database_that_refuses_the_tables_leaves_the_router_serving(
     with make_cluster(batch=_store()) as cluster:
         answer = httpx.get(cluster.base_url + "/batches")
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "batch_store_unavailable"
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        client = cluster.client("none")
         assert client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
         status = httpx.get(cluster.router.url + "/router/status").json()["batches"]
         assert "tables could not be made" in status["store_error"] and "permission denied" in status["store_error"]

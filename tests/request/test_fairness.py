@@ -220,7 +220,7 @@ def test_over_a_limit_is_429_with_openais_headers_and_the_sdk_retries(
     clock = ManualClock()  # the minute moves only when the test moves it
     with make_cluster(fairness=limits, live_clock=clock) as cluster:
         messages: Any = [{"role": "user", "content": "hi"}]
-        with openai.OpenAI(base_url=cluster.base_url, api_key="sk-team-a", max_retries=0) as plain:
+        with cluster.client("sk-team-a") as plain:
             first = plain.chat.completions.with_raw_response.create(model="test-model", messages=messages)
             assert first.headers["x-ratelimit-limit-requests"] == "60"
             assert first.headers["x-ratelimit-remaining-requests"] == "59"

@@ -32,7 +32,7 @@ BOUNDARY = "specroute-test-boundary"
 
 
 def _client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=30)
+    return cluster.client("k", timeout=30)
 
 
 def _probes(engine: FakeEngine) -> list[Seen]:

@@ -30,7 +30,7 @@ def _access_lines(caplog: pytest.LogCaptureFixture, count: int = 1) -> list[str]
 
 
 def _client(cluster: Cluster, **kwargs: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.base_url, api_key="client-key", max_retries=0, **kwargs)
+    return cluster.client("client-key", **kwargs)
 
 
 def test_chat_stream_passes_through_with_route_headers(cluster: Cluster) -> None:
@@ -241,7 +241,7 @@ def test_rule_on_api_key_makes_batch_and_rewrites_model(make_cluster: Any) -> No
         }
     ]
     with make_cluster(classify={"rules": rules}) as cluster:
-        client = openai.OpenAI(base_url=cluster.base_url, api_key="etl-key", max_retries=0)
+        client = cluster.client("etl-key")
         raw = client.completions.with_raw_response.create(model="test-batch", prompt="x", max_tokens=1)
         assert raw.headers["x-route-pool"] == "team"
         assert raw.headers["x-route-reason"] == "rule:etl"

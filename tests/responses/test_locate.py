@@ -34,9 +34,12 @@ MODEL = "test-model"
 class Replica:
     server: ServerThread
     registry: CollectorRegistry
+    clients: ExitStack
 
     def client(self, key: str = "client-key") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.server.url + "/v1", api_key=key, max_retries=0, timeout=30)
+        """An SDK client, closed with the replica (see tests.conftest.Cluster.client)."""
+        made = openai.OpenAI(base_url=self.server.url + "/v1", api_key=key, max_retries=0, timeout=30)
+        return self.clients.enter_context(made)
 
     def locates(self, result: str) -> float:
         return self.registry.get_sample_value("specroute_response_locates_total", {"result": result}) or 0.0
@@ -52,8 +55,8 @@ class Engines:
     def replica(self, **overrides: Any) -> Iterator[Replica]:
         registry = CollectorRegistry()
         app = create_app(Settings(**_merge(self.data, overrides)), registry=registry)
-        with ServerThread(app, fast=True) as server:
-            yield Replica(server, registry)
+        with ServerThread(app, fast=True) as server, ExitStack() as clients:
+            yield Replica(server, registry, clients)
 
     def probes(self, engine: FakeEngine) -> list[str]:
         return [s.headers["x-request-id"] for s in engine.requests if _is_probe(s.headers)]

@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from router.app import create_app
 from router.config import Settings
-from tests.conftest import Cluster, settings_data
+from tests.conftest import SDK, Cluster, settings_data
 from tests.servers import ServerThread
 from tests.wait import until, wait_until
 
@@ -97,7 +97,7 @@ def _assert_unharmed(cluster: Cluster) -> None:
     """Every gauge back at 0, and a normal request served."""
     for name, labels in GAUGES:
         assert cluster.settled_metric(name, 0, **labels) == 0, (name, labels)
-    client = openai.OpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=30)
+    client = cluster.client("k", timeout=30)
     answer = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
     assert answer.choices[0].message.content
 
@@ -422,7 +422,7 @@ def _metric_sum(registry: CollectorRegistry, name: str, **labels: str) -> float:
     )
 
 
-def test_a_client_that_stops_reading_is_cut_off_after_client_write_and_frees_its_slot() -> None:
+def test_a_client_that_stops_reading_is_cut_off_after_client_write_and_frees_its_slot(sdk: SDK) -> None:
     engine = FloodEngine()
     registry = CollectorRegistry()
     with ServerThread(engine.app()) as upstream:
@@ -440,9 +440,7 @@ def test_a_client_that_stops_reading_is_cut_off_after_client_write_and_frees_its
             wait_until(lambda: engine.started == 1, timeout=10, message="the request at the engine")
 
             # The next client waits for the one slot, and gets it once the first is cut off.
-            client = openai.OpenAI(
-                base_url=router.url + "/v1", api_key="k", max_retries=0, timeout=60, default_headers=pinned
-            )
+            client = sdk(router.url, "k", timeout=60, default_headers=pinned)
             stream = client.chat.completions.create(
                 model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
             )
@@ -474,7 +472,7 @@ def test_a_client_that_stops_reading_is_cut_off_after_client_write_and_frees_its
             reader.close()
 
 
-def test_clients_that_stop_reading_a_paced_stream_lose_their_slots_to_the_next_request() -> None:
+def test_clients_that_stop_reading_a_paced_stream_lose_their_slots_to_the_next_request(sdk: SDK) -> None:
     # Tokens at an engine's pace fill a client's receive buffer in seconds, but the megabytes of
     # a loopback socket's send buffer in minutes: the router must not wait for those to fill
     # before it counts timeouts.client_write (it kept both slots past the queue timeout).
@@ -497,9 +495,7 @@ def test_clients_that_stop_reading_a_paced_stream_lose_their_slots_to_the_next_r
                 stalled.append(reader)
             wait_until(lambda: engine.started == 2, timeout=10, message="both requests at the engine")
 
-            client = openai.OpenAI(
-                base_url=router.url + "/v1", api_key="k", max_retries=0, timeout=60, default_headers=pinned
-            )
+            client = sdk(router.url, "k", timeout=60, default_headers=pinned)
             stream = client.chat.completions.create(
                 model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
             )
@@ -566,8 +562,8 @@ class Recorded:
     def assert_unharmed(self) -> None:
         for name, labels in GAUGES:
             assert self.registry.get_sample_value(name, labels) == 0, (name, labels)
-        client = openai.OpenAI(base_url=self.router.url + "/v1", api_key="k", max_retries=0, timeout=30)
-        answer = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
+        with openai.OpenAI(base_url=self.router.url + "/v1", api_key="k", max_retries=0, timeout=30) as client:
+            answer = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
         assert answer.choices[0].message.content == "ok"
         assert self.engine.lines[-1] == b"POST /v1/chat/completions HTTP/1.1\r\n"
 

@@ -20,7 +20,7 @@ import openai
 import pytest
 import yaml
 
-from tests.conftest import settings_data
+from tests.conftest import SDK, settings_data
 from tests.fake_engine import FakeEngine
 from tests.servers import ServerThread, serve
 from tests.wait import until, wait_until
@@ -126,12 +126,12 @@ def test_a_whole_answer_still_awaited_when_the_grace_period_ends_gets_503_shutti
 
 
 def test_the_openai_client_sees_the_shutdown_as_an_api_error_after_the_chunks_so_far(
-    engine: tuple[FakeEngine, str], tmp_path: Path
+    engine: tuple[FakeEngine, str], tmp_path: Path, sdk: SDK
 ) -> None:
     _, engine_url = engine
     config = _config(tmp_path / "router.yaml", engine_url, shutdown={"grace_seconds": 0.2})
     with serve(config) as (process, url):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        client = sdk(url)
         stream = client.chat.completions.create(
             model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=200, stream=True
         )

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from router.sim.cache import text_tokens
 from router.sim.profile import load_profile
 from router.sim.server import create_sim_app
+from tests.conftest import SDK
 from tests.servers import ServerThread
 from tests.timing import too_busy_to_time
 from tests.wait import until, wait_until
@@ -36,10 +36,6 @@ def engine() -> Iterator[ServerThread]:
         yield server
 
 
-def _client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
 def _metrics(server: ServerThread) -> dict[str, float]:
     values = {}
     for line in httpx.get(server.url + "/metrics").text.splitlines():
@@ -49,9 +45,9 @@ def _metrics(server: ServerThread) -> dict[str, float]:
     return values
 
 
-def test_stream_has_vllm_shape_and_counts(engine: ServerThread) -> None:
+def test_stream_has_vllm_shape_and_counts(engine: ServerThread, sdk: SDK) -> None:
     chunks = list(
-        _client(engine).chat.completions.create(
+        sdk(engine.url).chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": PROSE}],
             max_tokens=40,
@@ -74,14 +70,14 @@ def test_stream_has_vllm_shape_and_counts(engine: ServerThread) -> None:
     assert len(content_chunks) < 40
 
 
-def test_without_include_usage_there_is_no_usage_chunk(engine: ServerThread) -> None:
-    chunks = list(_client(engine).completions.create(model=MODEL, prompt=PROSE, max_tokens=10, stream=True))
+def test_without_include_usage_there_is_no_usage_chunk(engine: ServerThread, sdk: SDK) -> None:
+    chunks = list(sdk(engine.url).completions.create(model=MODEL, prompt=PROSE, max_tokens=10, stream=True))
     assert all(c.usage is None for c in chunks)
     assert chunks[-1].choices[0].finish_reason in {"length", "stop"}
 
 
-def test_whole_responses_and_content_kinds(engine: ServerThread) -> None:
-    client = _client(engine)
+def test_whole_responses_and_content_kinds(engine: ServerThread, sdk: SDK) -> None:
+    client = sdk(engine.url)
     prose = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": PROSE}], max_tokens=60, extra_body={"ignore_eos": True}
     )
@@ -116,14 +112,14 @@ def test_errors_use_vllm_envelope(engine: ServerThread, body: bytes, status: int
     assert error["type"] == kind and error["code"] == status and error["message"]
 
 
-def test_info_endpoints(engine: ServerThread) -> None:
+def test_info_endpoints(engine: ServerThread, sdk: SDK) -> None:
     assert httpx.get(engine.url + "/health").status_code == 200
     assert httpx.get(engine.url + "/version").json()["version"]
-    assert [m.id for m in _client(engine).models.list()] == [MODEL]
+    assert [m.id for m in sdk(engine.url).models.list()] == [MODEL]
 
 
-def test_metrics_have_vllm_names_and_pass_promtool(engine: ServerThread) -> None:
-    _client(engine).completions.create(model=MODEL, prompt=PROSE, max_tokens=20, stream=False)
+def test_metrics_have_vllm_names_and_pass_promtool(engine: ServerThread, sdk: SDK) -> None:
+    sdk(engine.url).completions.create(model=MODEL, prompt=PROSE, max_tokens=20, stream=False)
     values = _metrics(engine)
     label = f'{{model_name="{MODEL}"}}'
     for name in (
@@ -169,10 +165,10 @@ def _types(text: str) -> dict[str, str]:
     return dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE "))
 
 
-def test_prefix_cache_metrics_count_a_conversation_s_second_turn() -> None:
+def test_prefix_cache_metrics_count_a_conversation_s_second_turn(sdk: SDK) -> None:
     history: list[Any] = [{"role": "user", "content": " ".join(f"word{i}" for i in range(3_000))}]
     with ServerThread(create_sim_app(load_profile("team"), time_scale=50)) as server:
-        client = _client(server)
+        client = sdk(server.url)
         client.chat.completions.create(model=MODEL, messages=history, max_tokens=4)
         before = _metrics(server)
         turn = [*history, {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "And then?"}]
@@ -194,10 +190,10 @@ def test_prefix_cache_metrics_count_a_conversation_s_second_turn() -> None:
         assert simulated[name] == real[name] == "counter", name
 
 
-def test_a_turn_that_sends_the_answer_back_finds_the_answer_cached() -> None:
+def test_a_turn_that_sends_the_answer_back_finds_the_answer_cached(sdk: SDK) -> None:
     history: list[Any] = [{"role": "user", "content": " ".join(f"word{i}" for i in range(3_000))}]
     with ServerThread(create_sim_app(load_profile("team"), time_scale=50, prompt_tokens_details=True)) as server:
-        client = _client(server)
+        client = sdk(server.url)
         chunks = client.chat.completions.create(
             model=MODEL, messages=history, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
         )
@@ -251,14 +247,14 @@ def test_stream_disconnect_aborts_the_request() -> None:
         assert runner.engine.counters.aborted == 1
 
 
-def test_time_scale_reports_real_time_speed() -> None:
+def test_time_scale_reports_real_time_speed(sdk: SDK) -> None:
     scale = 20
     profile = load_profile("team")
     with ServerThread(create_sim_app(profile, time_scale=scale)) as server:
         started = time.monotonic()
         first = None
         tokens = 0
-        for chunk in _client(server).completions.create(
+        for chunk in sdk(server.url).completions.create(
             model=MODEL, prompt=PROSE, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
         ):
             if chunk.choices and chunk.choices[0].text:
@@ -275,7 +271,7 @@ def test_time_scale_reports_real_time_speed() -> None:
     assert 0.5 * expected < measured < 1.5 * expected
 
 
-def test_time_scale_reports_durations_in_wall_clock_seconds() -> None:
+def test_time_scale_reports_durations_in_wall_clock_seconds(sdk: SDK) -> None:
     """At N times real time the engine is N times faster: its first-token and prefill histograms
     say what a client measures on the wall clock (the router learns its prefill rate from them)."""
     scale = 20
@@ -283,7 +279,7 @@ def test_time_scale_reports_durations_in_wall_clock_seconds() -> None:
     prompt = " ".join(f"word{i}" for i in range(8_000))
     with ServerThread(create_sim_app(profile, time_scale=scale)) as server:
         started = time.monotonic()
-        stream = _client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True)
+        stream = sdk(server.url).completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True)
         for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 measured = time.monotonic() - started
