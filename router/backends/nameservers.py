@@ -8,7 +8,10 @@ nameserver answering within the lifetime) is a `ResolveError`: the name keeps it
 from __future__ import annotations
 
 import asyncio
+import socket
+from typing import Any
 
+import dns._asyncio_backend
 import dns.asyncresolver
 import dns.exception
 import dns.nameserver
@@ -27,6 +30,7 @@ class DnsResolver:
             resolver.nameservers = [dns.nameserver.Do53Nameserver(host, port) for host, port in nameservers]
         resolver.lifetime = timeout
         self._resolver = resolver
+        self._backend = _ClosingBackend()
         self._limit = limit
 
     async def addresses(self, host: str, port: int) -> list[Address]:
@@ -34,7 +38,7 @@ class DnsResolver:
         failures: list[dns.exception.DNSException] = []
         for kind in (dns.rdatatype.A, dns.rdatatype.AAAA):
             try:
-                answer = await self._resolver.resolve(host, kind, search=True)
+                answer = await self._resolver.resolve(host, kind, search=True, backend=self._backend)
             except dns.resolver.NoAnswer:
                 continue  # the name has addresses of the other family only
             except dns.exception.DNSException as exc:
@@ -47,7 +51,7 @@ class DnsResolver:
 
     async def services(self, name: str) -> list[Address]:
         try:
-            answer = await self._resolver.resolve(name, dns.rdatatype.SRV, search=True)
+            answer = await self._resolver.resolve(name, dns.rdatatype.SRV, search=True, backend=self._backend)
         except dns.exception.DNSException as exc:
             raise ResolveError(str(exc)) from exc
         records = list(answer)
@@ -63,3 +67,25 @@ class DnsResolver:
         if not addresses and any(isinstance(each, BaseException) for each in found):
             raise ResolveError(f"none of the targets of {name} resolves")
         return addresses
+
+
+class _ClosingBackend(dns._asyncio_backend.Backend):
+    """dnspython's asyncio backend (its private module: the one place it is touched, held by
+    tests/backends/test_nameservers.py), but a query cancelled while its UDP socket is being made
+    (a name's `discovery.timeout`, or the router stopping) closes that socket. uvloop's
+    `create_datagram_endpoint` does not (0.23: no cleanup around its `await waiter`): the transport
+    it made was left to the garbage collector, which reports it as a ResourceWarning."""
+
+    async def make_socket(self, af: int, socktype: int, *args: Any, **kwargs: Any) -> Any:
+        making = super().make_socket(af, socktype, *args, **kwargs)  # type: ignore[no-untyped-call]
+        if socktype != socket.SOCK_DGRAM:
+            return await making
+        made = asyncio.ensure_future(making)
+        try:
+            return await asyncio.shield(made)
+        except asyncio.CancelledError:
+            # It is made within a loop iteration or two: wait for it (not cancelling it), close it.
+            await asyncio.wait([made])
+            if not made.cancelled() and made.exception() is None:
+                await made.result().close()
+            raise
