@@ -71,7 +71,7 @@ class FakeEngine:
     fail_count: int = -1  # ...this many times (-1: always)
     fail_delay: float = 0.0  # ...after this many seconds
     gate: threading.Event | None = None  # whole and failure answers wait until it is set
-    stream_gate: threading.Event | None = None  # a streamed transcription waits after its first event
+    stream_gate: threading.Event | None = None  # streams wait until it is set (a chat's after its role event)
     die_after: int | None = None  # drop the connection after this many streamed tokens
     stall_after: int | None = None  # go silent after this many streamed tokens
     script: list[bytes] | None = None  # stream exactly these pieces, each its own write
@@ -338,6 +338,8 @@ class FakeEngine:
             kind = "chat.completion.chunk" if chat else "text_completion"
             if chat:
                 yield _event({**base, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+            if self.stream_gate is not None:
+                await asyncio.to_thread(self.stream_gate.wait, TIMEOUT)
             await asyncio.sleep(self.first_token_delay)
             for i in range(tokens):
                 if i == die_at:

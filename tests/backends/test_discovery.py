@@ -102,7 +102,9 @@ def test_forgetting_a_backend_keeps_a_pool_of_the_same_name() -> None:
 # Serving tests: the router, engines on several loopback addresses, the DNS server.
 
 
-def _settings(url: str, team: str, store: str, *, discover: str = "dns", **discovery: Any) -> Settings:
+def _settings(
+    url: str, team: str, store: str, *, discover: str = "dns", conversations: bool = True, **discovery: Any
+) -> Settings:
     return Settings.model_validate(
         {
             "pools": {
@@ -115,6 +117,7 @@ def _settings(url: str, team: str, store: str, *, discover: str = "dns", **disco
             "discovery": {"interval": 0.1, "timeout": 0.5, "networks": ["127.0.0.0/8"], **discovery},
             "health": {"interval": 0.2},
             "routing": {"mode": "static"},
+            "conversations": {"enabled": conversations},
             "batch": {"store_dir": store},
         }
     )
@@ -299,15 +302,28 @@ def test_srv_records_give_each_engine_its_port() -> None:
         dns.set("a.spec.test", "A", ["127.0.0.1"])
         dns.set("b.spec.test", "A", ["127.0.0.1"])
         dns.set("c.spec.test", "A", ["127.0.0.9"])  # a lower priority: not used while the others are there
+        # Conversations off: four users sending one prompt would be kept where its prefix is cached.
         settings = _settings(
-            "http://_http._tcp.spec.test", servers[2].url, store, discover="srv", nameservers=[dns.address]
+            "http://_http._tcp.spec.test",
+            servers[2].url,
+            store,
+            discover="srv",
+            conversations=False,
+            nameservers=[dns.address],
         )
         router, client = stack.enter_context(_router(settings, stack))
         assert set(_found(router)) == {f"spec@127.0.0.1:{servers[0].port}", f"spec@127.0.0.1:{servers[1].port}"}
+        # Four streams at once, held by the engines until all four run: the least loaded takes
+        # each, two each. (Unheld, on a busy machine one stream could end before the next was
+        # sent, and an idle pool sends every one to its first backend.)
+        a.stream_gate = b.stream_gate = gate = threading.Event()
         threads, served = _streams(client, [f"u{i}" for i in range(4)], tokens=20)
+        wait_until(lambda: a.open + b.open == 4, message="four streams running")
+        gate.set()
         for thread in threads:
             thread.join(timeout=30)
-        assert len(served) == 4 and a.requests and b.requests
+        assert served == {f"u{i}": (20, "length") for i in range(4)}
+        assert (len(a.requests), len(b.requests)) == (2, 2)
 
 
 @pytest.mark.e2e
