@@ -300,20 +300,27 @@ def test_an_engine_killed_under_load_fails_over_and_returns(cluster: RealCluster
             except Exception as exc:
                 failures.append(exc)
 
-    workers = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+    workers = [threading.Thread(target=load, args=(i,)) for i in range(3)]
     for worker in workers:
         worker.start()
     try:
         wait_for(lambda: ("fast", "default") in outcomes, timeout=30, what="steady load served on fast")
+        # Killed with the three workers' requests running on it: they fail together and eject it at
+        # once, and three retries at once are what the retry budget always allows
+        # (retries.min_concurrent). Killed at any time, the third failure could wait for a
+        # failed-over answer from team (1.1-2.3 s on a busy machine), racing the two failed health
+        # checks (1-2 s) that take it out without an ejection.
+        wait_for(lambda: cluster.backend("fast")["in_flight"] == 3, timeout=30, what="three requests on fast-1")
         cluster.fast.kill()
         killed_at = len(outcomes)
+        # Seen before anything else is waited for: the ejection lasts 10 s from the kill.
+        wait_for(lambda: cluster.backend("fast")["ejected_seconds_left"] > 0, timeout=10, what="fast-1 ejected")
         # Requests that found fast-1 gone are retried on team before any byte reached the client.
         wait_for(
             lambda: any(reason == "failover:fast" for _, reason in outcomes[killed_at:]),
             timeout=30,
             what="a request failed over from fast to team",
         )
-        wait_for(lambda: cluster.backend("fast")["ejected_seconds_left"] > 0, timeout=10, what="fast-1 ejected")
         wait_for(lambda: not cluster.backend("fast")["healthy"], timeout=30, what="fast-1 unhealthy")
         wait_for(lambda: outcomes[-1] == ("team", "spill:spec-down"), timeout=30, what="new work sent to team at once")
 
@@ -326,7 +333,8 @@ def test_an_engine_killed_under_load_fails_over_and_returns(cluster: RealCluster
         stop.set()
         for worker in workers:
             worker.join(timeout=120)
-    # Not one request of the steady load was lost: none had started on fast-1 when it died.
+    # Not one request of the steady load was lost: those running on fast-1 when it died were
+    # answered by team (none had sent a byte to its client).
     assert failures == []
     served_by = Counter(served for served, _ in outcomes)
     assert served_by["fast"] > 0 and served_by["team"] > 0
