@@ -1,11 +1,11 @@
 """Priority inside a real engine: vLLM started with `--scheduling-policy priority` (the session's
 standard engine), behind a router whose pool says so (`priority_scheduling`).
 
-The engine's 4,096-token KV cache holds four of the batch job's 1,000-token prompts; the rest
+The engine's 4,096-token KV cache holds two of the batch job's 1,500-token requests; the rest
 wait inside the engine, without a first token. An interactive request sent then (priority 0
-against the batch job's 100 and up) must get its first token before most batch requests that
-were waiting ahead of it (those admitted while it was on its way may come first); in arrival
-order (`fcfs`) it would get it after all of them.
+against the batch job's 100 and up) must get its first token before all but three of the batch
+requests waiting ahead of it (those the engine had started when it arrived may come first); in
+arrival order (`fcfs`) it would get it after all of them.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -25,9 +26,10 @@ from tests.real.engines import MODEL, wait_for
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 
-BATCH = 10  # batch requests: four run, six wait inside the engine
-RUNNING = 4  # what the KV cache holds: once four have a first token, none is in its prefill
-PROMPT = "once upon a time " * 250  # about 1,000 tokens: 8 of the KV cache's 32 blocks
+BATCH = 10  # batch requests: two run, eight wait inside the engine
+AHEAD = 3  # of those queued when the interactive request was sent, how many may rightly come first
+RUNNING = 2  # what the KV cache holds: once two have a first token, none is in its prefill
+PROMPT = "once upon a time " * 250  # 1,519 tokens: with its answer 14 of the KV cache's 32 blocks
 
 
 def _stream(
@@ -56,65 +58,88 @@ def _stream(
     return first, prompt_tokens
 
 
+@dataclass
+class Round:
+    waiting: list[float]  # the first tokens of the batch requests still queued when it was sent
+    interactive: float  # the interactive request's, all from when it was sent
+    prompts: list[int]
+
+
+def _round(router: RealCluster, cluster: RealCluster) -> Round:
+    """The batch job's requests filling the engine, then one interactive request sent right
+    after the engine admitted the next of them."""
+    batch_clients = [
+        OpenAI(base_url=router.base_url, api_key="sk-batch-job", max_retries=0, timeout=300) for _ in range(BATCH)
+    ]
+    chat = OpenAI(base_url=router.base_url, api_key="sk-chat-user", max_retries=0, timeout=300)
+    started = threading.Barrier(BATCH + 1)
+    firsts: dict[int, float] = {}
+
+    def batch(i: int) -> int:
+        started.wait(timeout=60)
+        content = f"{i}: {PROMPT}"
+        _, prompt_tokens = _stream(
+            batch_clients[i], job="batch", content=content, max_tokens=150, on_first=partial(firsts.__setitem__, i)
+        )
+        return prompt_tokens
+
+    try:
+        with ThreadPoolExecutor(max_workers=BATCH) as threads:
+            futures = [threads.submit(batch, i) for i in range(BATCH)]
+            started.wait(timeout=60)
+            # The engine full: batch requests wait inside it, with no first token yet, and every
+            # one without a first token is among them (not running, in its prefill: that one
+            # would rightly come first).
+            # (Or too few left to judge: a round that does not count.)
+            wait_for(
+                lambda: (
+                    len(firsts) >= BATCH - AHEAD
+                    or (
+                        len(firsts) >= RUNNING
+                        and cluster.team.metric("vllm:num_requests_waiting") >= BATCH - len(firsts)
+                    )
+                ),
+                timeout=120,
+                what="batch requests waiting inside the engine, none in its prefill",
+            )
+            # Right after the engine admitted the next ones (a first token came): the interactive
+            # request then arrives the furthest from the next admission of the queue.
+            seen = len(firsts)
+            wait_for(lambda: len(firsts) > seen or seen == BATCH, timeout=120, what="the next batch request admitted")
+            time.sleep(0.1)  # its partner of the same step
+            sent = time.monotonic()
+            waiting = [i for i in range(BATCH) if i not in firsts]
+            interactive, _ = _stream(chat, job="interactive", content="Hi!", max_tokens=4)
+            prompts = [future.result(timeout=400) for future in futures]
+    finally:
+        chat.close()
+        for client in batch_clients:
+            client.close()
+    return Round(sorted(firsts[i] - sent for i in waiting), interactive - sent, prompts)
+
+
 def test_an_interactive_first_token_comes_before_the_batch_work_queued_ahead(
     cluster: RealCluster, routers: Path
 ) -> None:
     assert cluster.team.scheduling == "priority"
     pools = router_settings(cluster.fast.url, cluster.team.url)["pools"]
     pools["team"]["priority_scheduling"] = True
+    rounds: list[Round] = []
     with router_in_front(cluster.fast, cluster.team, routers, {"pools": pools}) as router:
-        batch_clients = [
-            OpenAI(base_url=router.base_url, api_key="sk-batch-job", max_retries=0, timeout=300) for _ in range(BATCH)
-        ]
-        chat = OpenAI(base_url=router.base_url, api_key="sk-chat-user", max_retries=0, timeout=300)
-        started = threading.Barrier(BATCH + 1)
-        firsts: dict[int, float] = {}
-
-        def batch(i: int) -> int:
-            started.wait(timeout=60)
-            content = f"{i}: {PROMPT}"
-            _, prompt_tokens = _stream(
-                batch_clients[i], job="batch", content=content, max_tokens=150, on_first=partial(firsts.__setitem__, i)
-            )
-            return prompt_tokens
-
-        try:
-            with ThreadPoolExecutor(max_workers=BATCH) as threads:
-                futures = [threads.submit(batch, i) for i in range(BATCH)]
-                started.wait(timeout=60)
-                # The engine full: batch requests wait inside it, with no first token yet, and every
-                # one without a first token is among them (not running, in its prefill: that one
-                # would rightly come first).
-                wait_for(
-                    lambda: (
-                        len(firsts) >= RUNNING
-                        and cluster.team.metric("vllm:num_requests_waiting") >= BATCH - len(firsts)
-                    ),
-                    timeout=120,
-                    what="batch requests waiting inside the engine, none in its prefill",
-                )
-                # Right after the engine admitted the next ones (a first token came): the interactive
-                # request then arrives the furthest from the next admission of the queue.
-                seen = len(firsts)
-                wait_for(lambda: len(firsts) > seen, timeout=120, what="the next batch request admitted")
-                time.sleep(0.1)  # its partner of the same step
-                sent = time.monotonic()
-                waiting = {i for i in range(BATCH) if i not in firsts}
-                interactive, _ = _stream(chat, job="interactive", content="Hi!", max_tokens=4)
-                prompts = [future.result(timeout=400) for future in futures]
-        finally:
-            chat.close()
-            for client in batch_clients:
-                client.close()
-    assert min(prompts) >= 600, prompts  # the premise: each batch prompt takes several KV blocks
-    assert len(waiting) >= 2, f"batch requests without a first token when the interactive one was sent: {waiting}"
-    queued_firsts = sorted(firsts[i] - sent for i in waiting)
+        # A round judges only with a queue deeper than what may rightly come first (below); on a
+        # loaded machine the engine may have admitted most of the job by then: another round.
+        while len(rounds) < 3 and (not rounds or len(rounds[-1].waiting) <= AHEAD):
+            rounds.append(_round(router, cluster))
+    last = rounds[-1]
+    assert min(last.prompts) >= 600, last.prompts  # the premise: each batch prompt takes several KV blocks
+    assert len(last.waiting) > AHEAD, f"in {len(rounds)} rounds, never more than {AHEAD} batch requests queued"
     # In arrival order (`fcfs`) every one of them would get its first token before the interactive
-    # request. By priority it overtakes the queue; only those the engine admits while it is still on
-    # its way (the router's path and the engine's HTTP server, on a loaded machine up to several
-    # steps of this engine, which ends two answers about every 0.65 s) may come first.
-    later = sum(firsts[i] > interactive for i in waiting)
-    assert later >= len(waiting) // 2 + 1, (
-        f"interactive first token at {interactive - sent:.2f} s; the batch requests waiting ahead of it "
-        f"got theirs at {[round(t, 2) for t in queued_firsts]} s"
+    # request. By priority it overtakes the queue; only those the engine had started when it
+    # arrived may come first: the partner of the admission it was sent after, one in its prefill,
+    # and one the engine took while the request was on its way (the router's path and the
+    # engine's HTTP server, a step of this engine on a loaded machine).
+    ahead = sum(first < last.interactive for first in last.waiting)
+    assert ahead <= AHEAD, (
+        f"interactive first token at {last.interactive:.2f} s; the batch requests waiting ahead of it "
+        f"got theirs at {[round(t, 2) for t in last.waiting]} s"
     )
