@@ -141,9 +141,9 @@ class EngineView:
         (the tokens of those whose length is known) its own share, the others as seen. Each is
         taken at what it holds, not at the size of the next: a standard engine running a batch
         job of short requests has room for a long prompt."""
-        known = [self.kv_per_request(max_concurrency, tokens) for tokens in holding]
         if not in_flight:
             return self.kv_per_request(max_concurrency)
+        known = [self.kv_per_request(max_concurrency, tokens) for tokens in holding]
         unknown = max(0, in_flight - len(known)) * self.kv_per_request(max_concurrency)
         return (sum(known) + unknown) / max(in_flight, len(known))
 
