@@ -77,6 +77,7 @@ class EngineConnection(asyncio.Protocol):
         self._request_id: bytes | None = None
         self._head_only = False  # the request was a HEAD: the response has no body
         self._idle_timeout: float | None = None
+        self._idle_seconds = 0.0  # `_idle_timeout`, where it is set (read per piece: no None to test)
         self._deadline: float | None = None  # the current read, idle or keep-alive deadline
         self._timer: asyncio.TimerHandle | None = None
 
@@ -103,6 +104,7 @@ class EngineConnection(asyncio.Protocol):
         self._request_id = request_id
         self._head_only = head_only
         self._idle_timeout = idle_timeout
+        self._idle_seconds = idle_timeout or 0.0
         self._set_deadline(read_timeout)
         self.transport.writelines(data)
 
@@ -137,36 +139,32 @@ class EngineConnection(asyncio.Protocol):
         if state == _IDLE:
             self.close()  # unasked: a late copy of an answer, or garbage
             return
+        if state == _BODY and self._deadline is not None:
+            self._deadline = self._loop.time() + self._idle_seconds
         receiver = self._receiver
-        try:
-            self._parse(state, data)
+        try:  # one frame per read: a paced stream's every token is one
+            try:
+                self._parser.feed_data(data)
+            except httptools.HttpParserError as exc:
+                if self._state == _DONE:
+                    self._keep = False  # the response is whole; what followed it closes the connection
+                else:
+                    self._fail(self._error or RemoteProtocolError(f"invalid HTTP response ({type(exc).__name__})"))
+                    return
+            except httptools.HttpParserUpgrade:  # a 101, refused in on_headers_complete first
+                self._fail(self._error or RemoteProtocolError("the engine switched protocols"))
+                return
+            if self._state == _DONE:
+                self._finish()
+            elif state == _HEAD and self._state == _HEAD:
+                # llhttp holds an unfinished header field and tells nothing until it ends: a head
+                # still arriving is measured by the reads that held only it.
+                self._head_received += len(data)
+                if self._head_received > 2 * self._limits.head_bytes:
+                    self._fail(self._head_too_large())
         finally:
             if receiver is not None:
                 receiver.read_done()
-
-    def _parse(self, state: int, data: bytes) -> None:
-        if state == _BODY and self._deadline is not None:
-            self._deadline = self._loop.time() + cast(float, self._idle_timeout)
-        whole_read_was_head = state == _HEAD
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            if self._state == _DONE:
-                self._keep = False  # the response is whole; what followed it closes the connection
-            else:
-                self._fail(self._error or RemoteProtocolError(f"invalid HTTP response ({type(exc).__name__})"))
-                return
-        except httptools.HttpParserUpgrade:  # a 101, refused in on_headers_complete first
-            self._fail(self._error or RemoteProtocolError("the engine switched protocols"))
-            return
-        if self._state == _DONE:
-            self._finish()
-        elif whole_read_was_head and self._state == _HEAD:
-            # llhttp holds an unfinished header field and tells nothing until it ends: a head
-            # still arriving is measured by the reads that held only it.
-            self._head_received += len(data)
-            if self._head_received > 2 * self._limits.head_bytes:
-                self._fail(self._head_too_large())
 
     def eof_received(self) -> bool | None:
         return None  # closes the transport: connection_lost follows
