@@ -143,9 +143,13 @@ class EngineView:
         job of short requests has room for a long prompt."""
         if not in_flight:
             return self.kv_per_request(max_concurrency)
-        known = [self.kv_per_request(max_concurrency, tokens) for tokens in holding]
-        unknown = max(0, in_flight - len(known)) * self.kv_per_request(max_concurrency)
-        return (sum(known) + unknown) / max(in_flight, len(known))
+        lengths = list(holding)
+        # Each length's share once, summed in the requests' order (the same float as one by one):
+        # thousands in flight hold a few lengths, and this runs for every request routed.
+        shares = {tokens: self.kv_per_request(max_concurrency, tokens) for tokens in set(lengths)}
+        known = sum(map(shares.__getitem__, lengths))
+        unknown = max(0, in_flight - len(lengths)) * self.kv_per_request(max_concurrency)
+        return (known + unknown) / max(in_flight, len(lengths))
 
     def _kv_of(self, tokens: int | None) -> float:
         """The share of the engine's KV cache a request of `tokens` (its prompt and the answer it

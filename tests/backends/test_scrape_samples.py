@@ -178,6 +178,25 @@ def test_a_reading_that_caught_requests_just_admitted_takes_each_at_its_own_leng
     assert kv is not None and (kv >= Routing().kv_threshold) is (tokens is not None)
 
 
+def test_the_requests_in_flight_are_taken_each_at_its_own_length_whatever_their_number() -> None:
+    """Hundreds in flight of a few lengths (each length's share found once): the projection is
+    the very float of each request's share added in turn, and grows with each request."""
+    stated = engine_load(sample(SPEC), None, now=10.0)
+    view = EngineView()
+    view.observe(dataclasses.replace(stated, running=0, waiting=0, kv_usage=0.0, scraped_at=10.0))
+    lengths = [100, 3000, 100, 700, 40] * 60
+    shares = [view.kv_per_request(1024, tokens) for tokens in lengths]
+    one_by_one = 0.0
+    for share in shares:
+        one_by_one += share
+    unknown = 20 * view.kv_per_request(1024)  # in flight without a known length
+    expected = (one_by_one + unknown) / (len(lengths) + 20)
+    assert view._kv_held(1024, len(lengths) + 20, lengths) == expected
+    fewer = view.kv_projected(10.2, 5.0, in_flight=len(lengths) - 1, max_concurrency=1024, holding=lengths[:-1])
+    more = view.kv_projected(10.2, 5.0, in_flight=len(lengths), max_concurrency=1024, holding=lengths)
+    assert fewer is not None and more is not None and more > fewer
+
+
 def test_the_requests_a_reading_shows_running_are_taken_at_what_they_will_hold() -> None:
     """A scrape in the middle of a burst of 200-token answers on the real speculative engine: ten
     requests running, each at one block (its prompt), where each will hold two by its end. Taken
