@@ -8,6 +8,7 @@ speculative pool still pays. Only a bounded prefix and suffix of the text are lo
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import re2
@@ -49,6 +50,21 @@ def request_text(payload: Mapping[str, Any]) -> str:
     return "\n".join(_prompt_parts(payload))
 
 
+@dataclass(frozen=True, slots=True)
+class PromptText:
+    """A request body's prompt, read once for every stage that looks at it."""
+
+    text: str  # `request_text`
+    tokens: int  # `prompt_tokens`
+    total: int | None  # `request_tokens`
+
+
+def read_prompt(payload: Mapping[str, Any]) -> PromptText:
+    """`request_text`, `prompt_tokens` and `request_tokens` of a body, in one pass over its prompt."""
+    text = request_text(payload)
+    return PromptText(text, _prompt_tokens(payload, len(text)), _request_tokens(payload, len(text)))
+
+
 def _prompt_parts(payload: Mapping[str, Any]) -> list[str]:
     parts: list[str] = []
     prompt = payload.get("prompt")
@@ -79,8 +95,12 @@ _ANSWER_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 def prompt_tokens(payload: Mapping[str, Any]) -> int:
     """The prompt's tokens, estimated from its length (what a rate limit takes on arrival); a
     prompt or input given as token ids, one a token, and an input given as a list of texts too."""
-    parts = _prompt_parts(payload)
-    text = -(-(sum(map(len, parts)) + max(0, len(parts) - 1)) // _CHARS_PER_TOKEN)
+    return read_prompt(payload).tokens
+
+
+def _prompt_tokens(payload: Mapping[str, Any], chars: int) -> int:
+    """`prompt_tokens`, given the length of the body's `request_text`."""
+    text = -(-chars // _CHARS_PER_TOKEN)
     return text + _listed(payload.get("prompt"), texts=False) + _listed(payload.get("input"), texts=True)
 
 
@@ -102,11 +122,14 @@ def _listed(value: object, *, texts: bool) -> int:
 def request_tokens(payload: Mapping[str, Any]) -> int | None:
     """The tokens a request holds at its end, estimated: its prompt and the longest answers it
     allows (`n` of them). None when it sets no answer limit: the engine's own default is not known."""
+    return read_prompt(payload).total
+
+
+def _request_tokens(payload: Mapping[str, Any], chars: int) -> int | None:
+    """`request_tokens`, given the length of the body's `request_text`."""
     limit = next((count for key in _ANSWER_LIMITS if (count := _count(payload.get(key)))), None)
     if limit is None:
         return None
-    parts = _prompt_parts(payload)
-    chars = sum(map(len, parts)) + max(0, len(parts) - 1)  # request_text's length, not joined again
     return -(-chars // _CHARS_PER_TOKEN) + (_count(payload.get("n")) or 1) * limit
 
 

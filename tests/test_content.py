@@ -10,7 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.content import ContentKind, detect_kind, request_text, request_tokens
+from router.content import (
+    ContentKind,
+    PromptText,
+    detect_kind,
+    prompt_tokens,
+    read_prompt,
+    request_text,
+    request_tokens,
+)
 from router.prompts import prompts
 
 
@@ -133,3 +141,26 @@ def test_detection_time_grows_linearly_with_the_text(unit: str, tail: str) -> No
 )
 def test_request_tokens_estimates_a_requests_length_at_its_end(payload: dict[str, Any], tokens: int | None) -> None:
     assert request_tokens(payload) == tokens
+
+
+@pytest.mark.parametrize(
+    ("payload", "text", "tokens", "total"),
+    [
+        (
+            {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x" * 81}],
+             "max_tokens": 9},
+            "be brief\n" + "x" * 81, 23, 23 + 9,
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}]}]}, "a", 1, None),
+        ({"prompt": ["abcd", "ef"], "max_tokens": 64, "n": 3}, "abcd\nef", 2, 2 + 3 * 64),
+        ({"prompt": [[1, 2, 3], 4], "max_completion_tokens": 5}, "", 4, 5),  # token ids: no text
+        ({"input": ["abcdefgh", "ij"], "max_output_tokens": 10}, "", 2 + 1, 10),
+        ({"input": [{"role": "user", "content": "hi"}]}, "hi", 1, None),
+        ({}, "", 0, None),
+    ],
+)  # fmt: skip
+def test_a_prompt_is_read_once_for_its_text_and_both_estimates(
+    payload: dict[str, Any], text: str, tokens: int, total: int | None
+) -> None:
+    assert read_prompt(payload) == PromptText(text, tokens, total)
+    assert (request_text(payload), prompt_tokens(payload), request_tokens(payload)) == (text, tokens, total)

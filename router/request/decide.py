@@ -62,7 +62,8 @@ def decide(
     except UnknownOverride as exc:
         raise BadRequest(str(exc), param=exc.header, code=exc.code) from exc
     target = ttft.of(incoming.headers) if ttft is not None else None
-    decision = policy.decide(classification, content_kind(incoming.payload, code_hints), pools, ttft_target=target)
+    kind = content_kind(incoming.payload, code_hints, text=incoming.prompt.text)
+    decision = policy.decide(classification, kind, pools, ttft_target=target)
     if decision.reason == "slo:unmet" and ttft is not None and ttft.reject_unmeetable:
         predicted = ", ".join(f"{name} {state.ttft:.2f} s" for name, state in pools.items() if state.ttft is not None)
         raise NoBackendAvailable(
@@ -102,10 +103,11 @@ def with_field(body: bytes, key: str, value: Any) -> bytes:
     return json.dumps({**json.loads(body), key: value}, separators=(",", ":")).encode()
 
 
-def content_kind(payload: Mapping[str, Any], code_hints: tuple[str, ...]) -> ContentKind:
+def content_kind(payload: Mapping[str, Any], code_hints: tuple[str, ...], *, text: str | None = None) -> ContentKind:
+    """`text`: the payload's `request_text`, where it was read already."""
     if payload.get("tools") or payload.get("functions"):
         return "code"  # tool calls are structured output, which a drafter guesses well
-    return detect_kind(request_text(payload), hints=code_hints)
+    return detect_kind(request_text(payload) if text is None else text, hints=code_hints)
 
 
 def upstream_body(incoming: Incoming, *, rewrite_model: str | None) -> tuple[bytes, bool]:

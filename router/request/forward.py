@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 from router.backends.backend import Backend
 from router.backends.pools import Pool, Pools
 from router.clock import Clock
-from router.content import request_tokens
 from router.errors import NoBackendAvailable, RouterError, UpstreamError, UpstreamTimeout
 from router.replicas.shared import Replicas
 from router.request.decide import Routed, with_field
@@ -191,7 +190,7 @@ class Forwarder:
         tried; a pinned request waits for its one backend like any other."""
         queued_at = self._clock.now()
         exclude = frozenset(route.tried) if route.count else frozenset()
-        tokens = request_tokens(incoming.payload)
+        tokens = incoming.prompt.total
         while True:
             backend = await pool.acquire(
                 route.decision.job,

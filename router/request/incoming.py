@@ -6,8 +6,10 @@ Plain records, with no I/O, so that the decision stage (router.decide) can take 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from router.content import PromptText, read_prompt
 
 T = TypeVar("T")
 
@@ -38,6 +40,10 @@ class Incoming:
     payload: Mapping[str, Any]
     group: str | None = None  # the key group of `fairness.groups` its key is in, if any
     internal: bool = False  # the router's own request (a Batch API line): no client limits
+    prompt: PromptText = field(init=False)  # the payload's prompt, read once for every stage
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt", read_prompt(self.payload))
 
     @property
     def stream(self) -> bool:

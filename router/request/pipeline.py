@@ -25,7 +25,6 @@ from starlette.types import Message, Receive, Scope, Send
 
 from router.backends.pools import Pools
 from router.clock import Clock
-from router.content import prompt_tokens, request_tokens
 from router.errors import RouterError, ShuttingDown
 from router.replicas.shared import Replicas
 from router.replies import error_response
@@ -104,7 +103,7 @@ class Pipeline:
                     client=incoming.client,
                     key=incoming.api_key,
                     group=incoming.group,
-                    prompt_tokens=prompt_tokens(incoming.payload),
+                    prompt_tokens=incoming.prompt.tokens,
                     now=self._clock.now(),
                 )
             new_client = self._clients.start(incoming.client)
@@ -124,7 +123,7 @@ class Pipeline:
                     stale_after=plan.stale_after,
                     kv_threshold=plan.routing.kv_threshold,
                     acceptance_max_age=plan.acceptance_max_age,
-                    tokens=request_tokens(incoming.payload),
+                    tokens=incoming.prompt.total,
                     cached=cached,
                     load_bound=plan.conversations.load_bound,
                     min_gain=plan.conversations.min_gain,

@@ -29,7 +29,9 @@ class Placement:
         (None, None) where conversations are off or the request has no prompt to place."""
         if not plan.conversations.enabled or incoming.arrival.method != "POST":
             return None, None
-        prompt = self._conversations.prompt(incoming.payload, incoming.headers, client=incoming.client)
+        prompt = self._conversations.prompt(
+            incoming.payload, incoming.headers, client=incoming.client, text=incoming.prompt.text
+        )
         return (prompt, self._conversations.cached(prompt, now)) if prompt is not None else (None, None)
 
     def placed(self, routed: Routed, backend: Backend) -> None:

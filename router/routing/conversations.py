@@ -71,9 +71,12 @@ class ConversationIndex:
     def __len__(self) -> int:
         return len(self._blocks) + len(self._conversations)
 
-    def prompt(self, payload: Mapping[str, Any], headers: Mapping[str, str], *, client: str) -> Prompt | None:
-        """The request's conversation and blocks; None for a request with no prompt to place."""
-        text = request_text(payload)
+    def prompt(
+        self, payload: Mapping[str, Any], headers: Mapping[str, str], *, client: str, text: str | None = None
+    ) -> Prompt | None:
+        """The request's conversation and blocks; None for a request with no prompt to place.
+        `text`: the payload's `request_text`, where it was read already."""
+        text = request_text(payload) if text is None else text
         if not text:
             return None
         config = self.config
