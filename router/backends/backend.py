@@ -110,6 +110,7 @@ class Backend:
         # The tokens each of its requests in flight holds at its end (router.content), where
         # known, by a token of the request: for the KV they take (router.backends.engines).
         self.holding: dict[object, int] = {}
+        self.batch_work: set[object] = set()  # its batch requests in flight, by the same token
         self.elsewhere: Elsewhere = ALONE  # its figures on the other replicas (router.replicas)
         self.sent = 0  # requests it was ever given a slot for
         self.draining = False  # set by an operator: no new work, running requests finish

@@ -220,6 +220,8 @@ class Forwarder:
         route.backend = backend
         if tokens is not None:  # the KV it takes there, for the next request's projection
             backend.holding[id(incoming)] = tokens
+        if route.decision.job == "batch":  # a conversation's answer there would slow it (router.routing.policy)
+            backend.batch_work.add(id(incoming))
         if incoming.stream:  # shows in the live view while it waits; its prefill queues there
             backend.first_tokens.waiting(id(incoming), now, _prefill(routed, backend, plan))
         return backend
@@ -238,6 +240,7 @@ class Forwarder:
     def _release(self, incoming: Incoming, pool: Pool, backend: Backend) -> None:
         backend.first_tokens.forget(id(incoming))
         backend.holding.pop(id(incoming), None)
+        backend.batch_work.discard(id(incoming))
         pool.release(backend, client=incoming.client, duration=self._clock.now() - incoming.arrival.started)
         self._replicas.released(backend)
 

@@ -10,10 +10,9 @@
     observe  (request.observe)    metrics, learning, the access log  <- Finished
 
 The request takes the settings once, as the `Plan` of the moment, and keeps it to its end.
-It is a plain ASGI app rather than a Starlette endpoint so that the bytes of a stream go from
-the upstream socket to the client socket with nothing in between but one `StreamWatch.feed`,
-and so that a client's disconnect cancels everything under way at once (the queue wait, the
-upstream request).
+It is a plain ASGI app rather than a Starlette endpoint so that the bytes of a stream go from the
+upstream socket to the client socket with nothing in between but one `StreamWatch.feed`, and so
+that a client's disconnect cancels everything under way at once (queue wait, upstream request).
 """
 
 from __future__ import annotations
@@ -388,6 +387,8 @@ def _route_headers(arrival: Arrival, request: _Record) -> dict[str, str]:
         headers["x-route-pool"] = request.decision.pool
         headers["x-job-type"] = request.decision.job
         headers["x-route-reason"] = request.decision.reason
+        if request.decision.predictions:
+            headers["x-route-predicted-ttft"] = ", ".join(f"{p}={s:.3f}" for p, s in request.decision.predictions)
     if request.attempts is not None and request.attempts.backend is not None:
         headers["x-route-backend"] = request.attempts.backend.name
     return headers

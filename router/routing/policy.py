@@ -12,8 +12,8 @@ place; interactive work leaves it
   (`spill:spec-down`, `spill:spec-draining`);
 - otherwise only for a standard pool that does not queue and whose predicted first token is
   within the target: where the prompts queued on the speculative pool for their prefill put its
-  first token past the target and the standard pool's comes sooner (conversations priced,
-  `spill:spec-prefill`), or where it is the faster place:
+  first token past the target and the standard pool's comes sooner, `min_gain` sooner where it
+  runs batch work (conversations priced, `spill:spec-prefill`), or where it is the faster place:
   - `crossover` mode: past the configured crossover concurrency for the content kind, unless
     the standard pool carries even more (`spill:past-crossover`);
   - `adaptive` mode: when the standard pool's learned per-user speed is higher beyond the noise
@@ -68,6 +68,7 @@ class PoolState:
     settled: bool = False  # ...having moved here lately
     # Of `ttft`, the prefill queued on its backend and this prompt's own (conversations priced).
     prefill: float = 0.0
+    batch: bool = False  # that backend runs batch work (conversations priced)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,8 @@ class Decision:
     # The first-token wait predicted for the pool when it was chosen, seconds (None: not known);
     # set against the actual one once it arrives (router.request.observe).
     predicted_ttft: float | None = None
+    # Every pool's predicted first token at the decision (`X-Route-Predicted-TTFT`).
+    predictions: tuple[tuple[str, float], ...] = ()
 
 
 class Policy:
@@ -131,10 +134,11 @@ class Policy:
         self, classification: Classification, content: ContentKind, pools: Mapping[str, PoolState], target: float
     ) -> Decision:
         job = classification.job
+        predictions = tuple((name, state.ttft) for name, state in pools.items() if state.ttft is not None)
 
         def to(pool: str, reason: str = classification.reason) -> Decision:
             state = pools.get(pool)
-            return Decision(pool, job, reason, content, state.ttft if state is not None else None)
+            return Decision(pool, job, reason, content, state.ttft if state is not None else None, predictions)
 
         if classification.pinned_pool is not None:
             return to(classification.pinned_pool, "pinned")
@@ -171,9 +175,12 @@ class Policy:
             return to(self._speculative)
         # ...or, where the prompts queued for their prefill there (and its own) are what makes
         # its first token late, for the standard pool's sooner one (a long conversation comes
-        # back when the standard pool is no longer the faster place: `_conversation`).
+        # back when the standard pool is no longer the faster place: `_conversation`); only
+        # `min_gain` sooner where that runs batch work, which its answer, attending to the whole
+        # prompt at every step, slows.
         late = spec.ttft is not None and spec.ttft - spec.prefill <= target < spec.ttft
-        if late and _sooner(std.ttft, spec.ttft):
+        gain = self._conversations.min_gain if std.batch else 0.0
+        if late and spec.ttft is not None and _sooner(std.ttft, spec.ttft * (1 - gain)):
             return to(self._standard, "spill:spec-prefill")
         spec_speed, std_speed = spec.speed.get(content), std.speed.get(content)
         if self._config.mode == "adaptive" and spec_speed is not None and std_speed is not None:
@@ -193,9 +200,9 @@ class Policy:
     ) -> tuple[str, str | None] | None:
         """Where a long conversation goes: the pool holding its cache, unless its first token
         there is predicted past the target and the other pool's, its prefill counted, comes
-        `min_gain` sooner, or the standard pool holds it and is no longer the faster place (a
-        batch job came: its load is what makes it slower) while the speculative pool takes it
-        at once, its whole prefill counted, within the target; and not again soon after a move.
+        `min_gain` sooner, or the standard pool holds it and runs batch work there or is no longer
+        the faster place while the speculative pool takes it at once, its whole prefill counted,
+        within the target; and not again soon after a move.
         None: not a long conversation (decided as any other request, its prefill counted in the
         predicted first tokens)."""
         config = self._conversations
@@ -211,7 +218,7 @@ class Policy:
         if here.settled or self._unavailable(there) is not None:
             return home, stay
         back = home == self._standard and self._wait(there) is None and _within(there, target)
-        if back and self._faster_on_speculative(there, here, content):
+        if back and (here.batch or self._faster_on_speculative(there, here, content)):
             return other, "conversation:moved"
         if here.ttft is None or here.ttft <= target or there.ttft is None:
             return home, stay

@@ -122,6 +122,7 @@ def snapshot(
             home=cached is not None and cached.home == pool.name,
             settled=cached is not None and cached.settled,
             prefill=prefills[chosen] + backlog[chosen] if cached else 0.0,
+            batch=cached is not None and any(b.batch_work for b in accepting if b.name == chosen),
         )
     return states
 

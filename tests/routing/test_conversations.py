@@ -163,6 +163,15 @@ FAST, SLOW = Estimate(40.0, 36.0, 44.0), Estimate(8.0, 7.0, 9.0)  # per-user tok
         # ...nor while the standard pool is as fast (within the noise).
         (PoolState(True, ttft=1.5, speed={"prose": FAST}), PoolState(False, home=True, held=LONG, ttft=0.5,
          speed={"prose": FAST}), "team", "conversation:cached"),
+        # The standard engine holding it runs batch work: back, learned speeds or not, within the
+        # target; once (having moved, it is settled)...
+        (PoolState(True, ttft=1.5), PoolState(False, home=True, held=LONG, ttft=0.5, batch=True), "fast",
+         "conversation:moved"),
+        (PoolState(True, ttft=1.5), PoolState(False, home=True, settled=True, held=LONG, ttft=0.5, batch=True),
+         "team", "conversation:cached"),
+        # ...not to a first token past the target.
+        (PoolState(True, ttft=3.5), PoolState(False, home=True, held=LONG, ttft=0.5, batch=True), "team",
+         "conversation:cached"),
         # The home pool down: the other, whatever the settling.
         (PoolState(True, ttft=0.2), PoolState(False, healthy=False, home=True, settled=True, held=LONG), "fast",
          "default"),
@@ -225,6 +234,10 @@ def test_prompts_sent_to_one_engine_queue_for_their_prefill() -> None:
         (PoolState(True, ttft=6.0, prefill=5.0), PoolState(False, ttft=4.0), "fast", "default"),
         # Within the target where it is: stay.
         (PoolState(True, ttft=2.5, prefill=2.0), PoolState(False, ttft=0.5), "fast", "default"),
+        # A standard engine running batch work: only for a first token `min_gain` (30 %) sooner.
+        (PoolState(True, ttft=4.0, prefill=2.5), PoolState(False, ttft=3.0, batch=True), "fast", "default"),
+        (PoolState(True, ttft=4.0, prefill=2.5), PoolState(False, ttft=2.7, batch=True), "team",
+         "spill:spec-prefill"),
     ],
 )  # fmt: skip
 def test_a_prompt_late_for_the_prefill_queued_goes_where_its_first_token_comes_sooner(

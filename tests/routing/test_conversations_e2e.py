@@ -193,3 +193,55 @@ def test_unpriced_cold_long_prompts_all_queue_on_the_speculative_engine() -> Non
     with _pools({"enabled": False}) as router:
         seen = _first_turns(router, 8)
     assert seen == [("fast", "default")] * 8
+
+
+def _turn(client: openai.OpenAI, messages: list[Any], **headers: str) -> tuple[str, str, dict[str, float]]:
+    """One turn: its pool, its reason and each pool's predicted first token (`X-Route-Predicted-TTFT`)."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=8, extra_headers=headers
+    )
+    messages += [
+        {"role": "assistant", "content": raw.parse().choices[0].message.content},
+        {"role": "user", "content": f"Turn {len(messages) // 2}: and the next tide?"},
+    ]
+    predicted = {}
+    for part in raw.headers["x-route-predicted-ttft"].split(", "):
+        pool, _, seconds = part.partition("=")
+        predicted[pool] = float(seconds)
+    return raw.headers["x-route-pool"], raw.headers["x-route-reason"], predicted
+
+
+@pytest.mark.parametrize("batch", [True, False])
+def test_a_conversation_leaves_a_standard_engine_running_batch_work_once(batch: bool) -> None:
+    """A long conversation held by the standard engine goes back to the speculative pool, once,
+    when that engine runs batch work and its whole prefill there is predicted within the target
+    (`conversation:moved`); then it stays. Without batch work there, the same turn stays where its
+    cache is (later ones may leave once the speculative pool is learned to be faster, as before)."""
+    with (
+        _pools({}) as router,
+        openai.OpenAI(base_url=router + "/v1", api_key="talker", max_retries=0) as client,
+        openai.OpenAI(base_url=router + "/v1", api_key="batch-job", max_retries=0) as batch_client,
+    ):
+        messages: list[Any] = [{"role": "user", "content": CONTEXT}]  # about 7,000 tokens
+        assert _turn(client, messages, **{"X-Route-Pool": "team"})[:2] == ("team", "pinned")
+        job = None
+        if batch:
+            job = batch_client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Summarise the tides."}], max_tokens=4000,
+                stream=True, extra_headers={"X-Job-Type": "batch"}, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            next(iter(job))  # running on the standard engine now
+        try:
+            turns = [_turn(client, messages) for _ in range(3)]
+        finally:
+            if job is not None:
+                job.close()
+        moved = _metric(router, "specroute_route_decisions_total", reason="conversation:moved")
+    if batch:
+        pool, reason, predicted = turns[0]
+        assert (pool, reason) == ("fast", "conversation:moved"), turns
+        assert predicted["fast"] <= TARGET, predicted  # its whole prefill there, within the target
+        assert [t[:2] for t in turns[1:]] == [("fast", "default")] * 2  # where its cache is now: no return
+        assert moved == 1
+    else:
+        assert turns[0][:2] == ("team", "conversation:cached"), turns

@@ -142,3 +142,18 @@ def test_a_backend_that_has_measured_nothing_does_not_look_the_soonest() -> None
     states = _states(pools, 256, Cached(tokens=200, held={}))
     assert states["team"].prefer is None  # neither is sooner: the emptiest, t1
     assert states["team"].ttft == pytest.approx(0.2 + 200 * 5e-5)
+
+
+def test_a_pool_runs_batch_work_where_the_conversation_would_go() -> None:
+    """Of two standard backends, t2 holds the conversation's prefix and t1 runs the batch job: the
+    pool is said to run batch work for it only once t2 runs some too, and only where its
+    conversation is priced (router.routing.policy)."""
+    pools = _pools({"t1": 32, "t2": 32})
+    t1, t2 = pools["team"].backends
+    t1.batch_work.add("batch-1")
+    held = Cached(tokens=20_000, held={"t2": 19_000}, home="team")
+    assert _states(pools, 20_256, held)["team"].prefer == "t2"
+    assert not _states(pools, 20_256, held)["team"].batch
+    t2.batch_work.add("batch-2")
+    assert _states(pools, 20_256, held)["team"].batch
+    assert not _states(pools, 20_256)["team"].batch  # not priced
