@@ -238,6 +238,8 @@ def _bench_parser(commands: Any) -> None:
     talks.add_argument("--batch", type=int, default=64, help="batch requests in flight while the job runs")
     talks.add_argument("--batch-on", type=float, default=40, help="seconds the batch job runs at a time")
     talks.add_argument("--batch-off", type=float, default=40, help="seconds it pauses between")
+    talks.add_argument("--arrival", type=float, help="seconds between users' first turns (default: think ÷ users)")
+    talks.add_argument("--repeat", type=int, default=1, help="runs of every setting, in alternating order")
     talks.add_argument(
         "--modes", default="adaptive,adaptive-unpriced,static,round-robin", help="routing settings, comma-separated"
     )

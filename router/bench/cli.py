@@ -19,9 +19,10 @@ from router.bench import report
 from router.bench.batchjob import batch_job
 from router.bench.batchjob import markdown as batchjob_markdown
 from router.bench.compare import run_on_layout, running_layout
-from router.bench.conversations import MODE_SETTINGS, conversations
+from router.bench.conversations import MODE_SETTINGS, ConversationsResult, conversations
 from router.bench.conversations import Options as ConversationsOptions
-from router.bench.conversations import markdown as conversations_markdown
+from router.bench.conversations_report import batch_ratios
+from router.bench.conversations_report import markdown as conversations_markdown
 from router.bench.load import Target
 from router.bench.plan import Figures, Outcome, Split, recorded_at
 from router.bench.plan import table as plan_table
@@ -365,33 +366,30 @@ def _rate(value: float | None) -> str:
 
 
 def _conversations(args: argparse.Namespace, out: Path) -> int:
-    """Each routing setting on the embedded layout, started clean (router.bench.conversations)."""
-    options = ConversationsOptions(
-        users=args.users,
-        turns=args.turns,
-        context_words=args.context_words,
-        turn_words=args.turn_words,
-        answer_tokens=args.answer_tokens,
-        think=args.think,
-        batch=args.batch,
-        batch_on=args.batch_on,
-        batch_off=args.batch_off,
-    )
+    """Each routing setting on the embedded layout, started clean, `--repeat` times in alternating
+    order (router.bench.conversations)."""
+    fields = [f.name for f in dataclasses.fields(ConversationsOptions)]
+    options = ConversationsOptions(**{name: getattr(args, name) for name in fields if hasattr(args, name)})
     model = load_profile("fast").model
-    results = {}
-    for mode in [m for m in args.modes.split(",") if m]:
-        routing_mode, environ = MODE_SETTINGS[mode]
-        with running_layout(
-            "routed", time_scale=args.time_scale, routing_mode=routing_mode, environ=environ, prompt_tokens_details=True
-        ) as base_url:
-            target = Target(base_url=base_url, model=model, time_scale=args.time_scale)
-            results[mode] = _with_progress(
-                f"conversations: {mode}",
-                functools.partial(conversations, target, options, mode=mode),
-            )
+    modes = [m for m in args.modes.split(",") if m]
+    results: dict[str, list[ConversationsResult]] = {mode: [] for mode in modes}
+    for repetition in range(args.repeat):
+        for mode in modes if repetition % 2 == 0 else modes[::-1]:
+            routing_mode, environ = MODE_SETTINGS[mode]
+            with running_layout(
+                "routed", time_scale=args.time_scale, routing_mode=routing_mode, environ=environ,
+                prompt_tokens_details=True,
+            ) as base_url:  # fmt: skip
+                target = Target(base_url=base_url, model=model, time_scale=args.time_scale)
+                results[mode].append(
+                    _with_progress(
+                        f"conversations: {mode} #{repetition + 1}",
+                        functools.partial(conversations, target, options, mode=mode),
+                    )
+                )
     report.write_json(
         out / "conversations.json",
-        {"options": dataclasses.asdict(options), "time_scale": args.time_scale,
-         "results": {mode: result.summary() for mode, result in results.items()}},
+        {"options": dataclasses.asdict(options), "time_scale": args.time_scale, "batch_ratios": batch_ratios(results),
+         "results": {mode: [r.summary() for r in runs] for mode, runs in results.items()}},
     )  # fmt: skip
     return _finish(out, conversations_markdown(results, options, ttft_target=3.0))

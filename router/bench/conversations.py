@@ -58,6 +58,17 @@ class Options:
     batch_on: float = 40.0
     batch_off: float = 40.0
     batch_tokens: int = 256
+    arrival: float | None = None  # seconds between users' first turns; None: think time ÷ users
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One period the batch job ran: from its start, sending until `stop`, its last answer at `end`."""
+
+    start: float
+    stop: float
+    end: float
+    complete: bool  # it ran its whole `batch_on`: the conversations had not ended first
 
 
 @dataclass(slots=True)
@@ -71,7 +82,7 @@ class Turn:
 class ConversationsResult:
     turns: list[Turn] = field(default_factory=list)
     batch: list[Record] = field(default_factory=list)
-    batch_seconds: float = 0.0  # real time the batch job ran
+    windows: list[Window] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         first = [t.record for t in self.turns if t.turn == 0]
@@ -90,7 +101,6 @@ class ConversationsResult:
         ratio = None
         if first_q["p95"] and later_q["p95"] is not None:
             ratio = later_q["p95"] / first_q["p95"]
-        batch_tokens = sum(r.tokens for r in self.batch if r.ok)
         # Turns the router sent to the standard pool (round robin pins them there: not a spill).
         spilled = [t.record for t in self.turns if t.record.pool == POOLS[1] and t.record.reason != "pinned"]
         return {
@@ -105,21 +115,53 @@ class ConversationsResult:
             "spill_reasons": dict(collections.Counter(r.reason for r in spilled).most_common()),
             "switches": self.switches(),
             "returns": self.returns(),
-            "batch_tokens_per_second": batch_tokens / self.batch_seconds if self.batch_seconds else 0.0,
+            "batch_tokens_per_second": self.batch_rate(self.windows),
+            # Over the windows the batch job ran whole, beside the conversations: runs of
+            # different lengths compare over like windows, not over a last one cut short.
+            "batch_complete_windows": sum(w.complete for w in self.windows),
+            "batch_tokens_per_second_complete": self.batch_rate([w for w in self.windows if w.complete]),
+            "batch_windows": [
+                {
+                    "start": round(w.start, 2),
+                    "end": round(w.end, 2),
+                    "complete": w.complete,
+                    "tokens_per_second": round(self.batch_rate([w]), 1),
+                }
+                for w in self.windows
+            ],
             "batch_errors": sum(1 for r in self.batch if not r.ok),
-            # Each first turn in the order sent: where it went, why, and its first token.
-            "first_turns": [
+            # Turns served on the standard pool while the batch job ran there: what slows it.
+            "standard_turns_beside_batch": sum(
+                1 for t in self.turns if t.record.pool == POOLS[1] and self._beside_batch(t.record)
+            ),
+            # Each turn in the order sent: where it went, why, the first tokens predicted and its own.
+            "each_turn": [
                 {
                     "user": t.user,
+                    "turn": t.turn,
                     "start": round(t.record.start, 3),
                     "ttft": t.record.ttft,
+                    "predicted": t.record.predicted,
                     "pool": t.record.pool,
                     "reason": t.record.reason,
                     "prompt_tokens": t.record.prompt_tokens,
+                    "cached_tokens": t.record.cached_tokens,
+                    "beside_batch": self._beside_batch(t.record),
                 }
-                for t in sorted((t for t in self.turns if t.turn == 0), key=lambda t: t.record.start)
+                for t in sorted(self.turns, key=lambda t: t.record.start)
             ],
         }
+
+    def batch_rate(self, windows: list[Window]) -> float:
+        """The batch job's tok/s over `windows`: the answers it started in them, over their length."""
+        seconds = sum(w.end - w.start for w in windows)
+        tokens = sum(r.tokens for r in self.batch if r.ok and any(w.start <= r.start < w.stop for w in windows))
+        return tokens / seconds if seconds else 0.0
+
+    def _beside_batch(self, record: Record) -> bool:
+        """Whether a turn's answer ran while the batch job did."""
+        end = record.start + (record.duration or 0.0)
+        return any(record.start < w.end and w.start < end for w in self.windows)
 
     def switches(self) -> int:
         """Consecutive turns of one conversation on different pools."""
@@ -161,7 +203,8 @@ async def conversations(
         rng = random.Random(number)
         context = f"User {number}'s context: {_words(rng, options.context_words)}\n\n"
         messages: list[dict[str, str]] = []
-        await asyncio.sleep(number * options.think / max(1, options.users) / target.time_scale)  # apart
+        arrival = options.arrival if options.arrival is not None else options.think / max(1, options.users)
+        await asyncio.sleep(number * arrival / target.time_scale)  # apart
         for turn in range(options.turns):
             said = f"User {number}, turn {turn}: {_words(rng, options.turn_words)}"
             messages.append({"role": "user", "content": context + said if turn == 0 else said})
@@ -201,9 +244,10 @@ async def conversations(
                     running.add(task)
                     task.add_done_callback(running.discard)
                 await asyncio.sleep(0.05)
+            stopped, complete = load.now(), not done.is_set()
             if running:
                 await asyncio.gather(*running)
-            result.batch_seconds += load.now() - started
+            result.windows.append(Window(started, stopped, load.now(), complete))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), options.batch_off / target.time_scale)
 
@@ -216,66 +260,3 @@ async def conversations(
     finally:
         await load.aclose()
     return result
-
-
-def markdown(results: dict[str, ConversationsResult], options: Options, *, ttft_target: float) -> str:
-    """The table of every setting run, and the issue's targets against it."""
-
-    def seconds(value: float | None) -> str:
-        return "—" if value is None else f"{value:.2f}"
-
-    def share(value: float | None) -> str:
-        return "—" if value is None else f"{value:.0%}"
-
-    lines = [
-        "| routing | first turn p50 / p95 / worst (s) | later turns p50 / p95 / worst (s) | later p95 ÷ first p95 "
-        "| later turns' prompt tokens cached | longest prompt (tokens) | turns spilled | pool switches "
-        "(out and back) | batch tok/s | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    summaries = {mode: result.summary() for mode, result in results.items()}
-    for mode, s in summaries.items():
-        first, later = s["first"], s["later"]
-        ratio = "—" if s["later_over_first_p95"] is None else f"{s['later_over_first_p95']:.2f}×"
-        lines.append(
-            f"| {mode} | {seconds(first['p50'])} / {seconds(first['p95'])} / {seconds(first['worst'])} "
-            f"| {seconds(later['p50'])} / {seconds(later['p95'])} / {seconds(later['worst'])} | {ratio} "
-            f"| {share(s['later_cached_share'])} | {s['longest_prompt']:,} | {s['spills']} "
-            f"| {s['switches']} ({s['returns']}) | {s['batch_tokens_per_second']:.0f} "
-            f"| {s['errors']} + {s['batch_errors']} batch |"
-        )
-    spills = [f"{mode}: {', '.join(f'{r} × {n}' for r, n in s['spill_reasons'].items())}"
-              for mode, s in summaries.items() if s["spills"]]  # fmt: skip
-    if spills:
-        lines += ["", "Turns spilled to the standard pool, by `X-Route-Reason`: " + "; ".join(spills) + "."]
-    priced, unpriced = summaries.get("adaptive"), summaries.get("adaptive-unpriced")
-    targets = ["", "| target (adaptive, conversations priced) | measured | met |", "|---|---:|:-:|"]
-    if priced is not None:
-        ratio = priced["later_over_first_p95"]
-        targets.append(
-            f"| later turns' first-token p95 ≤ 1.5× the first turn's | {'—' if ratio is None else f'{ratio:.2f}×'} "
-            f"| {'yes' if ratio is not None and ratio <= 1.5 else 'NO'} |"
-        )
-        cached = priced["later_cached_share"]
-        targets.append(
-            f"| later turns' prompt tokens cached ≥ 80 % | {share(cached)} "
-            f"| {'yes' if cached is not None and cached >= 0.8 else 'NO'} |"
-        )
-        worst = max(priced["first"]["worst"] or 0.0, priced["later"]["worst"] or 0.0)
-        targets.append(
-            f"| interactive first tokens within routing.ttft_target ({ttft_target:g} s) | worst {worst:.2f} s "
-            f"| {'yes' if worst <= ttft_target else 'NO'} |"
-        )
-        if unpriced is not None and unpriced["batch_tokens_per_second"]:
-            kept = priced["batch_tokens_per_second"] / unpriced["batch_tokens_per_second"]
-            targets.append(
-                f"| batch throughput ≥ 95 % of the run without conversations' placement | {kept:.1%} "
-                f"| {'yes' if kept >= 0.95 else 'NO'} |"
-            )
-    header = (
-        f"## conversations: {options.users} users × {options.turns} turns, a {options.context_words}-word "
-        f"context then {options.turn_words} words a turn ({options.answer_tokens}-token answers, "
-        f"{options.think:g} s think), beside a batch job of {options.batch} in flight, "
-        f"{options.batch_on:g} s on / {options.batch_off:g} s off\n\n"
-    )
-    return header + "\n".join(lines) + "\n" + "\n".join(targets)

@@ -62,6 +62,8 @@ class Record:
     reason: str | None = None  # the router's `X-Route-Reason`
     text: str | None = None  # the answer's text, where the job keeps it
     cached_tokens: int | None = None  # prompt tokens the engine found cached, where its usage says
+    # Each pool's first token as the router predicted it (`X-Route-Predicted-TTFT`), in real time.
+    predicted: dict[str, float] | None = None
 
     @property
     def ok(self) -> bool:
@@ -148,6 +150,7 @@ class Load:
                 record.status = response.status
                 record.pool = response.headers.get("x-route-pool")
                 record.reason = response.headers.get("x-route-reason")
+                record.predicted = _predicted(response.headers.get("x-route-predicted-ttft"), self.target.time_scale)
                 if response.status != 200:
                     record.error = (await response.read())[:200].decode(errors="replace")
                     return record
@@ -173,6 +176,20 @@ class Load:
         finally:
             record.duration = (time.perf_counter() - started) * self.target.time_scale
         return record
+
+
+def _predicted(header: str | None, time_scale: float) -> dict[str, float] | None:
+    """`fast=1.712, team=0.904` as {pool: seconds} in the target's real time; None if absent or malformed."""
+    if not header:
+        return None
+    predicted = {}
+    for part in header.split(","):
+        pool, _, seconds = part.strip().partition("=")
+        try:
+            predicted[pool] = float(seconds) * time_scale
+        except ValueError:
+            return None
+    return predicted
 
 
 def _content(stream: bytes) -> str:

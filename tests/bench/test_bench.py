@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from router.bench.load import Target
+from router.bench.conversations import ConversationsResult, Window
+from router.bench.conversations_report import batch_ratios
+from router.bench.load import Record, Target
 from router.bench.report import prior_block, spill_table, sweep_data
 from router.bench.scenarios import sweep
 from router.cli import main
@@ -167,13 +169,34 @@ def test_bench_conversations_sends_the_context_and_the_answers_back(tmp_path: Pa
     code = main(
         ["bench", "conversations", "--users", "2", "--turns", "3", "--context-words", "3000",
          "--turn-words", "50", "--answer-tokens", "48", "--think", "1", "--batch", "4", "--batch-on", "2",
-         "--batch-off", "2", "--modes", "adaptive", "--time-scale", str(SCALE), "--out", str(tmp_path)]
+         "--batch-off", "2", "--arrival", "3", "--modes", "adaptive", "--time-scale", str(SCALE),
+         "--out", str(tmp_path)]
     )  # fmt: skip
     assert code == 0
-    run = json.loads((tmp_path / "conversations.json").read_text())["results"]["adaptive"]
+    run = json.loads((tmp_path / "conversations.json").read_text())["results"]["adaptive"][0]
+    # Every turn with the router's predicted first token on both pools; first turns 3 s apart.
+    assert all(set(turn["predicted"]) == {"fast", "team"} for turn in run["each_turn"])
+    first = [turn["start"] for turn in run["each_turn"] if turn["turn"] == 0]
+    assert first[1] - first[0] == pytest.approx(3, abs=0.5)
     assert (run["turns"], run["errors"]) == (6, 0)
     assert run["longest_prompt"] > 3_000 + 2 * (50 + 48)
     # All but each new message and the last block of the answer before it.
     assert run["later_cached_share"] > 0.9
     # Each user is a client of its own: not one client with the batch job's requests in flight.
     assert "client-in-flight" not in run["spill_reasons"]
+
+
+def test_the_batch_job_is_compared_over_the_windows_both_runs_ran_whole() -> None:
+    """A longer run's extra window, and a last window cut short, do not enter the pair's ratio."""
+
+    def run(windows: list[Window], rates: list[float]) -> ConversationsResult:
+        result = ConversationsResult(windows=windows)
+        for window, rate in zip(windows, rates, strict=True):
+            tokens = rate * (window.end - window.start)
+            result.batch.append(Record("batch", window.start, status=200, tokens=int(tokens)))
+        return result
+
+    priced = run([Window(0, 40, 50, True), Window(80, 120, 130, True), Window(160, 170, 180, False)], [90, 90, 10])
+    unpriced = run([Window(0, 40, 50, True), Window(80, 120, 130, True), Window(160, 200, 210, True)], [100, 100, 500])
+    assert batch_ratios({"adaptive": [priced], "adaptive-unpriced": [unpriced]}) == [pytest.approx(0.9)]
+    assert priced.summary()["batch_tokens_per_second_complete"] == pytest.approx(90)
