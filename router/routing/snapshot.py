@@ -167,7 +167,9 @@ def predicted_ttft(
 
     With `prefill` (the seconds its own uncached prompt takes there: conversations priced), what
     it takes now is the prefill queue of the streams sent there instead (router.backends.backend),
-    with `overhead` beyond it until the backend has measured its own.
+    with `overhead` beyond it until the backend has measured its own; and the engine's waiting
+    requests count only while it shows no room of its own (else they wait for their prefill,
+    already in that queue).
 
     `projected`, `engine_room`, `queued`: the backend's `kv_projected` and `has_engine_room` and
     its pool's queue at `now`, which `snapshot` reads once for the pool's state too.
@@ -180,7 +182,9 @@ def predicted_ttft(
         base = first_tokens.predicted(now, prefill, overhead)
     reading = backend.engine.reading
     fresh = reading.fresh(now, stale_after)
-    waiting = (reading.waiting or 0) if fresh else 0
+    # Priced, the prompts waiting for their prefill are the queue above: an engine with room of
+    # its own that shows requests waiting is prefilling them, not out of slots.
+    waiting = (reading.waiting or 0) if fresh and (prefill is None or not engine_room) else 0
     slots_full = backend.slots_used >= backend.max_concurrency
     # The projection is past the threshold whenever any request overflows.
     no_room = (fresh and not engine_room) or (projected is not None and projected >= kv_threshold)

@@ -157,3 +157,23 @@ def test_a_pool_runs_batch_work_where_the_conversation_would_go() -> None:
     t2.batch_work.add("batch-2")
     assert _states(pools, 20_256, held)["team"].batch
     assert not _states(pools, 20_256)["team"].batch  # not priced
+
+
+def test_requests_waiting_for_their_prefill_are_not_a_wait_for_a_slot() -> None:
+    """An engine with room of its own shows a request waiting: a long prompt sent before this
+    one, being prefilled. Priced, its first token is that prefill queue and its own prefill (it
+    was 15-30 s: one request's whole duration per request waiting, in the conversations
+    benchmark, for a first token of 3 s); unpriced, as before; and a wait still once the engine
+    shows no room."""
+    pools = _pools({"t1": 32})
+    backend, pool = pools["team"].backends[0], pools["team"]
+    pool.mean_duration = 60.0
+    backend.engine.observe(EngineLoad(running=3, waiting=1, kv_usage=0.1, scraped_at=NOW, kv_cache_tokens=CACHE))
+    backend.in_flight = 4
+    backend.first_tokens.waiting("earlier", NOW, prefill=1.0)
+    cold = Cached(tokens=20_000, held={})
+    assert _states(pools, 20_256, cold)["team"].ttft == pytest.approx(1.0 + 1.0)  # its queue, then its own
+    assert _states(pools, 20_256)["team"].ttft == pytest.approx(2 * 60.0 / 4)
+    backend.engine.observe(EngineLoad(running=3, waiting=1, kv_usage=0.95, scraped_at=NOW, kv_cache_tokens=CACHE))
+    waited = _states(pools, 20_256, cold)["team"].ttft
+    assert waited is not None and waited > 30.0
