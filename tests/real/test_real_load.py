@@ -172,16 +172,27 @@ def test_interactive_work_spills_when_the_speculative_engine_is_full(cluster: Re
 
 BURST = 24  # users arriving together
 BURST_TOKENS = 200  # with its prompt, 2 of a KV cache's 32 blocks: each engine holds 16 such requests
+FAST_HOLDS = 16
+ROUNDS = 3
+Burst = tuple[Counter[tuple[str, str]], int]
 
 
-def burst(cold: RealCluster) -> Counter[tuple[str, str]]:
-    """`BURST` interactive users at the same moment on `cold`: how many each pool served, and why.
-    The engines' caches hold 32 of them together, the speculative one 16: past that it preempts
-    some (to recompute them later), which its own count shows however the users' arrival spread
-    on a busy machine (requests that end meanwhile make room, and rightly fewer spill)."""
+def burst(cold: RealCluster) -> Burst:
+    """`BURST` interactive users at the same moment on `cold`: how many each pool served and why,
+    and the most requests the router had in flight on both pools at once. The engines' caches hold
+    32 of them together, the speculative one 16: past that it preempts some (to recompute them
+    later), which its own count shows however the users' arrival spread on a busy machine."""
     preempted = cold.fast.metric("vllm:num_preemptions_total")
     clients = [cold.new_client() for _ in range(BURST)]  # made beforehand: that takes a while
     together = threading.Barrier(BURST)
+    done = threading.Event()
+    peak = 0
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, sum(cold.backend(pool)["in_flight"] for pool in ("fast", "team")))
+            time.sleep(0.02)
 
     def user(i: int) -> tuple[str, str]:
         together.wait(timeout=30)
@@ -191,19 +202,37 @@ def burst(cold: RealCluster) -> Counter[tuple[str, str]]:
         assert answer.usage is not None and answer.usage.completion_tokens == BURST_TOKENS
         return served, reason
 
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     try:
         with ThreadPoolExecutor(max_workers=BURST) as threads:
             decisions = Counter(threads.map(user, range(BURST)))
     finally:
+        done.set()
+        watcher.join()
         for client in clients:
             client.close()
     assert cold.fast.metric("vllm:num_preemptions_total") == preempted, decisions
-    # Past the speculative engine's capacity, on its projected KV cache; the rest stayed there.
-    spilled = sum(count for (served, reason), count in decisions.items() if served == "team")
-    assert spilled >= 1 and decisions["fast", "header"] >= BURST // 4, decisions
-    reasons = {reason for served, reason in decisions if served == "team"}
-    assert reasons <= {"spill:spec-kv-full", "spill:spec-queueing"}, decisions
-    return decisions
+    return decisions, peak
+
+
+def judged(rounds: list[Burst]) -> bool:
+    """Whether the last burst went past what the speculative engine holds, and if so that it
+    spilled past that capacity, on its projected KV cache, the rest staying there. A burst whose
+    requests never overlapped that much (a busy machine spreads 24 threads' requests out, and
+    those that end make room: CI once saw all 24 on `fast`, rightly) cannot judge the spill, and
+    another runs; after `ROUNDS` such, the test skips, saying so."""
+    decisions, peak = rounds[-1]
+    if peak > FAST_HOLDS:
+        spilled = sum(count for (served, reason), count in decisions.items() if served == "team")
+        assert spilled >= 1 and decisions["fast", "header"] >= BURST // 4, decisions
+        reasons = {reason for served, reason in decisions if served == "team"}
+        assert reasons <= {"spill:spec-kv-full", "spill:spec-queueing"}, decisions
+        return True
+    if len(rounds) == ROUNDS:
+        most = max(peak for _, peak in rounds)
+        pytest.skip(f"{ROUNDS} bursts had at most {most} requests in flight at once: no spill to judge")
+    return False
 
 
 def first_readings(cold: RealCluster) -> None:
@@ -214,15 +243,29 @@ def first_readings(cold: RealCluster) -> None:
     )
 
 
+def engines_idle(cluster: RealCluster) -> None:
+    wait_for(
+        lambda: (
+            cluster.fast.metric("vllm:num_requests_running") + cluster.team.metric("vllm:num_requests_running") == 0
+        ),
+        timeout=120,
+        what="both engines idle before a burst",
+    )
+
+
 def test_a_burst_of_users_on_a_cold_router_spills_past_the_speculative_engines_capacity(
     cluster: RealCluster, routers: Path
 ) -> None:
     """On a router that has never seen the engines loaded: its one reading shows both idle. The
     burst must spill to the standard engine once the speculative one's stated capacity (2
-    requests of full length) is taken, though both pools' predicted first tokens start equal."""
-    with router_in_front(cluster.fast, cluster.team, routers) as cold:
-        first_readings(cold)
-        burst(cold)
+    requests of full length) is taken, though both pools' predicted first tokens start equal.
+    Each round a new, cold router."""
+    rounds: list[Burst] = []
+    while not rounds or not judged(rounds):
+        engines_idle(cluster)
+        with router_in_front(cluster.fast, cluster.team, routers) as cold:
+            first_readings(cold)
+            rounds.append(burst(cold))
 
 
 def test_a_burst_after_short_requests_is_not_taken_for_short_requests(cluster: RealCluster, routers: Path) -> None:
@@ -230,30 +273,38 @@ def test_a_burst_after_short_requests_is_not_taken_for_short_requests(cluster: R
     tokens: 1 block each; pinned there) and finishing there, and none on the standard one. Their one block
     each must not be taken for what each of the burst will hold (27 would fit, and the speculative
     engine would preempt): each takes the blocks its own length needs, and a pool with no request
-    measured takes the others' duration."""
-    with router_in_front(cluster.fast, cluster.team, routers) as cold:
-        first_readings(cold)
-        seen = threading.Event()
+    measured takes the others' duration. Each round a new router, that has seen only those."""
+    rounds: list[Burst] = []
+    while not rounds or not judged(rounds):
+        engines_idle(cluster)
+        with router_in_front(cluster.fast, cluster.team, routers) as cold:
+            first_readings(cold)
+            seen_short(cold)
+            assert cold.backend("team")["ttft_seconds"]["samples"] == 0  # the standard pool measured nothing
+            rounds.append(burst(cold))
 
-        def short_requests(i: int) -> None:
-            with cold.new_client() as client:
-                while not seen.is_set():
-                    cold.chat(user=f"short-{i}", pool="fast", max_tokens=50, client=client)
 
-        with ThreadPoolExecutor(max_workers=2) as threads:
-            loops = [threads.submit(short_requests, i) for i in range(2)]
-            try:
-                wait_for(
-                    lambda: cold.backend("fast")["engine"]["kv_per_request"] < 0.05,  # 1 block: vLLM says 1/31
-                    timeout=60,
-                    what="a reading of the speculative engine with short requests running",
-                )
-            finally:
-                seen.set()
-            for loop in loops:
-                loop.result()
-        assert cold.backend("team")["ttft_seconds"]["samples"] == 0  # the standard pool measured nothing
-        burst(cold)
+def seen_short(cold: RealCluster) -> None:
+    """Until the router's reading of the speculative engine shows short requests running there."""
+    seen = threading.Event()
+
+    def short_requests(i: int) -> None:
+        with cold.new_client() as client:
+            while not seen.is_set():
+                cold.chat(user=f"short-{i}", pool="fast", max_tokens=50, client=client)
+
+    with ThreadPoolExecutor(max_workers=2) as threads:
+        loops = [threads.submit(short_requests, i) for i in range(2)]
+        try:
+            wait_for(
+                lambda: cold.backend("fast")["engine"]["kv_per_request"] < 0.05,  # 1 block: vLLM says 1/31
+                timeout=60,
+                what="a reading of the speculative engine with short requests running",
+            )
+        finally:
+            seen.set()
+        for loop in loops:
+            loop.result()
 
 
 def test_drain_and_resume(cluster: RealCluster) -> None:
@@ -324,8 +375,7 @@ def test_an_engine_killed_under_load_fails_over_and_returns(cluster: RealCluster
         wait_for(lambda: not cluster.backend("fast")["healthy"], timeout=30, what="fast-1 unhealthy")
         wait_for(lambda: outcomes[-1] == ("team", "spill:spec-down"), timeout=30, what="new work sent to team at once")
 
-        cluster.fast.start()
-        cluster.fast.wait_healthy()
+        cluster.fast.restart()
         wait_for(lambda: cluster.backend("fast")["healthy"], timeout=60, what="fast-1 back in the router")
         back_at = len(outcomes)
         wait_for(lambda: ("fast", "default") in outcomes[back_at:], timeout=30, what="work on fast-1 again")
