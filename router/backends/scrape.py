@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,11 +33,20 @@ _CACHE_INFO = "vllm:cache_config_info"
 _PREFILL_SECONDS = ("vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count")
 _PROMPT_TOKENS, _CACHE_HITS = "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total"
 
+# The samples read, and only their lines are parsed: a vLLM page is some 660 lines (55 KB) of
+# which a dozen are read, and the whole of it took prometheus_client's parser 8.4 ms a scrape (0.45 ms
+# for those lines).
+_READ = (*_RUNNING, *_WAITING, *_KV, _ACCEPTED, _DRAFT_TOKENS, _DRAFTS, _ACCEPT_LENGTH, _ACCEPT_RATE, _CACHE_INFO,
+         *_PREFILL_SECONDS, _PROMPT_TOKENS, _CACHE_HITS)  # fmt: skip
+_READ_NAME = re.compile("(?:" + "|".join(map(re.escape, _READ)) + r")[{ \t]")  # not `<name>_created`
+
 logger = logging.getLogger("specroute.backends")
 
 
 def parse(text: str) -> dict[str, list[float]]:
-    """Every sample of a Prometheus exposition by sample name, one value per label set.
+    """The samples the router reads of a Prometheus exposition, by sample name, one value per
+    label set. Their lines alone go to the parser: one of them it cannot read fails the scrape;
+    what the page holds besides them is not looked at.
 
     The labels of vLLM's `cache_config_info` (its stated capacity) are kept as the values of
     `vllm:cache_config_info:<label>`, for the ones that are numbers. A value that is not a finite
@@ -44,7 +54,8 @@ def parse(text: str) -> dict[str, list[float]]:
     out, as if the engine had not sent it.
     """
     samples: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
+    read = "\n".join(line for line in text.splitlines() if line.startswith(_READ) and _READ_NAME.match(line))
+    for family in text_string_to_metric_families(read):
         for sample in family.samples:
             if math.isfinite(sample.value):
                 samples.setdefault(sample.name, []).append(sample.value)

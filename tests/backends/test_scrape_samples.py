@@ -59,10 +59,35 @@ def test_vllm_counters_with_their_created_series_are_not_double_counted() -> Non
     # vLLM writes `# TYPE ..._total counter` and a separate `_created` gauge beside each counter:
     # the `_total` sample must appear once, so a delta between two pages is not doubled.
     values = sample(SPEC)
-    assert len(values["vllm:num_preemptions_total"]) == 1
-    assert len(values["vllm:spec_decode_num_accepted_tokens_per_pos_total"]) == 4  # positions 0..3
+    for counter in ("vllm:spec_decode_num_accepted_tokens_total", "vllm:prompt_tokens_total"):
+        assert len(values[counter]) == 1
     again = engine_load(values, values, now=2.0)
     assert again.acceptance is None  # nothing drafted between two identical pages
+
+
+@pytest.mark.parametrize("name", [SPEC, NOSPEC, SGLANG])
+def test_the_samples_read_are_the_whole_pages_and_nothing_else(name: str) -> None:
+    # Only the lines of the samples read go to the parser: what it finds in them is what the whole
+    # page says of those samples, and the page's other samples are not read at all.
+    text = (FIXTURES / name).read_text()
+    whole: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for each in family.samples:
+            whole.setdefault(each.name, []).append(each.value)
+    values = sample(name)
+    read = {
+        key: value for key, value in values.items() if ":" not in key.split(":", 1)[1]
+    }  # not cache_config_info:<label>
+    assert read == {key: whole[key] for key in read}
+    assert len(read) >= 5 and len(whole) > len(read)  # the pages hold more
+    assert "vllm:num_preemptions_total" not in values
+
+
+def test_a_sample_read_that_the_parser_cannot_read_fails_the_scrape_and_others_do_not() -> None:
+    page = (FIXTURES / NOSPEC).read_text()
+    assert parse(page + "vllm:num_preemptions_total{broken 7\n")["vllm:num_requests_running"] == [0.0]
+    with pytest.raises(ValueError, match="Invalid value"):
+        parse(page + 'vllm:num_requests_running{model_name="m" 7\n')
 
 
 def test_vllm_without_speculation_has_no_acceptance() -> None:
