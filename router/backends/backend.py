@@ -31,6 +31,7 @@ class FirstTokens:
     def __init__(self) -> None:
         self.recent: deque[float] = deque(maxlen=256)
         self._beyond: deque[float] = deque(maxlen=8)
+        self._least: float | None = None  # their least, kept: read for every request routed
         self._waiting: dict[object, tuple[float, float]] = {}  # a token of each stream -> sent at, prefilled by
         self._prefilled_by = -math.inf  # when the prompts sent so far are predicted prefilled
 
@@ -44,6 +45,7 @@ class FirstTokens:
         if sent is not None:
             self.recent.append(ttft)
             self._beyond.append(max(0.0, ttft - (sent[1] - sent[0])))
+            self._least = min(self._beyond)
 
     def forget(self, token: object) -> None:
         self._waiting.pop(token, None)
@@ -55,13 +57,15 @@ class FirstTokens:
     @property
     def overhead(self) -> float | None:
         """The least a recent first token took beyond its predicted prefill (None: none measured)."""
-        return min(self._beyond, default=None)
+        return self._least
 
-    def predicted(self, now: float, prefill: float, unmeasured: float = 0.0) -> float:
+    def predicted(self, now: float, prefill: float, unmeasured: float = 0.0, *, ahead: float | None = None) -> float:
         """The first token of a stream sent now whose own prefill takes `prefill` seconds; until
-        a first token here is measured, its overhead taken as `unmeasured`."""
+        a first token here is measured, its overhead taken as `unmeasured`. `ahead`: `ahead(now)`,
+        where read already."""
         overhead = self.overhead
-        return (unmeasured if overhead is None else overhead) + self.ahead(now) + prefill
+        ahead = self.ahead(now) if ahead is None else ahead
+        return (unmeasured if overhead is None else overhead) + ahead + prefill
 
     def ahead(self, now: float) -> float:
         """Seconds of prefill predicted ahead of a prompt sent now: what is left of the prompts
@@ -69,7 +73,7 @@ class FirstTokens:
         prefill, that much more (the engine runs late)."""
         # The oldest stream waiting was predicted prefilled first: it is the latest, if any is.
         oldest = next(iter(self._waiting.values()), None)
-        late = 0.0 if oldest is None else now - oldest[1] - min(self._beyond, default=0.0)
+        late = 0.0 if oldest is None else now - oldest[1] - (self._least or 0.0)
         return max(0.0, self._prefilled_by - now) + max(0.0, late)
 
 
@@ -186,5 +190,18 @@ class Backend:
             elsewhere=self.elsewhere,
         )
 
-    def has_engine_room(self, now: float, stale_after: float, kv_threshold: float, tokens: int | None = None) -> bool:
-        return self.engine.has_room(now, stale_after, kv_threshold, max_concurrency=self.max_concurrency, tokens=tokens)
+    def outlook(
+        self, now: float, stale_after: float, kv_threshold: float, tokens: int | None = None
+    ) -> tuple[bool, float | None, bool, int]:
+        """Whether its engine's reading is fresh, `kv_projected`, whether the engine has room of
+        its own for one more request of `tokens`, and `concurrency`, in one (router.backends.engines)."""
+        return self.engine.outlook(
+            now,
+            stale_after,
+            kv_threshold,
+            in_flight=self.in_flight,
+            max_concurrency=self.max_concurrency,
+            tokens=tokens,
+            holding=self.holding.values(),
+            elsewhere=self.elsewhere,
+        )

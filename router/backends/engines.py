@@ -133,8 +133,9 @@ class EngineView:
             return own
         if self._kv_per_request is not None:
             return self._kv_per_request
-        slots = min(max_concurrency, self.stated.max_concurrency or math.inf)
-        return 1.0 / max(1.0, slots)
+        stated = self.stated.max_concurrency
+        slots = stated if stated and stated < max_concurrency else max_concurrency
+        return 1.0 / slots if slots > 1 else 1.0
 
     def _kv_held(self, max_concurrency: int, in_flight: int, holding: Iterable[int]) -> float:
         """KV usage per request of this router's `in_flight` ones at their end: each of `holding`
@@ -193,12 +194,26 @@ class EngineView:
         speculative engine's cache before the router sees it fill. Without a fresh reading, the
         router's own requests at what they hold.
         """
+        fresh = self.reading.fresh(now, stale_after)
+        share = self.kv_per_request(max_concurrency, tokens)
+        return self._projected(fresh, share, in_flight, max_concurrency, holding, elsewhere)
+
+    def _projected(
+        self,
+        fresh: bool,
+        share: float,
+        in_flight: int,
+        max_concurrency: int,
+        holding: Iterable[int],
+        elsewhere: Elsewhere,
+    ) -> float | None:
+        """`kv_projected`, the reading's freshness and the new request's `share` worked out."""
         held = self._kv_held(max_concurrency, in_flight, holding)
-        since = self._since_reading(now, stale_after, in_flight=in_flight, held=held, elsewhere=elsewhere)
+        since = self._since_reading(fresh, in_flight=in_flight, held=held, elsewhere=elsewhere)
         if since is None:
             return None  # the engine says nothing of its KV cache
         usage, sent = since
-        return usage + held * sent + self.kv_per_request(max_concurrency, tokens)
+        return usage + held * sent + share
 
     def overflow(
         self,
@@ -215,7 +230,8 @@ class EngineView:
         the threshold, as projected: they wait inside the engine for others to finish. A burst
         faster than a scrape queues there before any reading shows it."""
         held = self._kv_held(max_concurrency, in_flight, holding)
-        since = self._since_reading(now, stale_after, in_flight=in_flight, held=held, elsewhere=elsewhere)
+        fresh = self.reading.fresh(now, stale_after)
+        since = self._since_reading(fresh, in_flight=in_flight, held=held, elsewhere=elsewhere)
         if since is None or held <= 0:
             return 0
         usage, sent = since
@@ -223,10 +239,10 @@ class EngineView:
         return max(0, sent - fits)
 
     def _since_reading(
-        self, now: float, stale_after: float, *, in_flight: int, held: float, elsewhere: Elsewhere
+        self, fresh: bool, *, in_flight: int, held: float, elsewhere: Elsewhere
     ) -> tuple[float, int] | None:
         """The KV usage of the last reading, with this router's requests in it grown to what they
-        will hold, and the router's requests it does not count: with no fresh reading (scrapes
+        will hold, and the router's requests it does not count: with no `fresh` reading (scrapes
         failing: the engine, or this router, too busy to answer in time), none and all of them, so
         that missed scrapes do not open the gate. None: the engine says nothing of its KV cache.
 
@@ -243,7 +259,7 @@ class EngineView:
         reading = self.reading
         if reading.kv_usage is None:
             return None
-        if not reading.fresh(now, stale_after):
+        if not fresh:
             return 0.0, in_flight + elsewhere.in_flight
         usage = reading.kv_usage
         if reading.running:
@@ -251,19 +267,13 @@ class EngineView:
             usage += growing * max(0.0, held - reading.kv_usage / reading.running)
         return usage, max(0, in_flight - reading.own_in_flight) + elsewhere.unread
 
-    def has_room(
-        self, now: float, stale_after: float, kv_threshold: float, *, max_concurrency: int, tokens: int | None = None
-    ) -> bool:
-        """Whether the last fresh reading shows a free slot and KV headroom for one more.
-        Requests it reports waiting meanwhile are passing through, not a queue."""
+    def _has_room(self, fresh: bool, share: float, kv_threshold: float, max_concurrency: int) -> bool:
+        """Whether the last reading, if `fresh`, shows a free slot and KV headroom for one more
+        request taking `share`. Requests it reports waiting meanwhile are passing through, not a queue."""
         reading = self.reading
-        if not reading.fresh(now, stale_after):
+        if not fresh or (reading.running is not None and reading.running >= max_concurrency):
             return False
-        if reading.running is not None and reading.running >= max_concurrency:
-            return False
-        return (
-            reading.kv_usage is None or reading.kv_usage + self.kv_per_request(max_concurrency, tokens) < kv_threshold
-        )
+        return reading.kv_usage is None or reading.kv_usage + share < kv_threshold
 
     def concurrency(self, now: float, stale_after: float, *, in_flight: int, elsewhere: Elsewhere = ALONE) -> int:
         """Requests on the engine: what it reported, plus what this router sent it since.
@@ -271,12 +281,40 @@ class EngineView:
         The engine's figure includes other clients and other routers, but lags by a scrape;
         the router's own count is exact but sees only itself. Never less than the latter.
         """
+        return self._concurrency(self.reading.fresh(now, stale_after), in_flight, elsewhere)
+
+    def _concurrency(self, fresh: bool, in_flight: int, elsewhere: Elsewhere) -> int:
         reading = self.reading
         everywhere = in_flight + elsewhere.in_flight
-        if not reading.fresh(now, stale_after) or reading.running is None:
+        if not fresh or reading.running is None:
             return everywhere
         reported = reading.running + (reading.waiting or 0)
         return max(everywhere, round(reported) + max(0, in_flight - reading.own_in_flight) + elsewhere.unread)
+
+    def outlook(
+        self,
+        now: float,
+        stale_after: float,
+        kv_threshold: float,
+        *,
+        in_flight: int,
+        max_concurrency: int,
+        tokens: int | None = None,
+        holding: Iterable[int] = (),
+        elsewhere: Elsewhere = ALONE,
+    ) -> tuple[bool, float | None, bool, int]:
+        """Whether the reading is fresh, `kv_projected`, whether the engine has room of its own
+        (`_has_room`) and `concurrency`, in one: the snapshot reads all four of every engine for
+        every request routed (router.routing.snapshot), the freshness and the new request's share
+        of the cache worked out once."""
+        fresh = self.reading.fresh(now, stale_after)
+        share = self.kv_per_request(max_concurrency, tokens)
+        return (
+            fresh,
+            self._projected(fresh, share, in_flight, max_concurrency, holding, elsewhere),
+            self._has_room(fresh, share, kv_threshold, max_concurrency),
+            self._concurrency(fresh, in_flight, elsewhere),
+        )
 
     def free_tokens(self, now: float, stale_after: float) -> float | None:
         """Tokens of the engine's KV cache that no running request holds, as last read: all a

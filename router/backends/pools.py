@@ -77,7 +77,7 @@ class Pool:
     def queued(self, job: JobClass | None = None) -> int:
         if job is not None:
             return len(self._waiters[job])
-        return sum(len(waiters) for waiters in self._waiters.values())
+        return sum(map(len, self._waiters.values()))
 
     @property
     def in_flight(self) -> int:

@@ -222,6 +222,17 @@ def test_prompts_sent_to_one_engine_queue_for_their_prefill() -> None:
     assert tokens.predicted(4.0, 0.0) == pytest.approx(0.3)
 
 
+def test_the_overhead_is_the_least_of_the_last_eight_first_tokens() -> None:
+    """One fast first token does not make the engine look fast for ever: eight slower ones later,
+    the least of those eight is its overhead."""
+    tokens = FirstTokens()
+    assert tokens.overhead is None
+    for n, beyond in enumerate([0.1, 0.5, 0.4, 0.6, 0.7, 0.5, 0.8, 0.9, 0.6]):
+        tokens.waiting(n, float(n))
+        tokens.arrived(n, beyond)
+        assert tokens.overhead == (0.1 if n < 8 else 0.4)
+
+
 @pytest.mark.parametrize(
     ("fast", "team", "pool", "reason"),
     [

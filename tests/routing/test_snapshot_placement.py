@@ -42,17 +42,20 @@ def _pools(backends: dict[str, int]) -> Pools:
     return pools
 
 
-def _states(pools: Pools, tokens: int | None, cached: Cached | None = None) -> dict[str, PoolState]:
+def _states(
+    pools: Pools, tokens: int | None, cached: Cached | None = None, *, load_bound: int = 0, now: float = NOW
+) -> dict[str, PoolState]:
     """The pools' states, with conversations' settings as shipped (a 30 % gain to leave the emptiest)."""
     return snapshot(
         pools,
         SpeedModel(),
-        now=NOW,
+        now=now,
         stale_after=5.0,
         kv_threshold=0.9,
         acceptance_max_age=300.0,
         tokens=tokens,
         cached=cached,
+        load_bound=load_bound,
         prefill_token_seconds=5e-5,
         min_gain=0.3,
     )
@@ -177,3 +180,56 @@ def test_requests_waiting_for_their_prefill_are_not_a_wait_for_a_slot() -> None:
     backend.engine.observe(EngineLoad(running=3, waiting=1, kv_usage=0.95, scraped_at=NOW, kv_cache_tokens=CACHE))
     waited = _states(pools, 20_256, cold)["team"].ttft
     assert waited is not None and waited > 30.0
+
+
+def test_the_backend_holding_the_prefix_is_preferred_within_the_load_bound() -> None:
+    """t2 holds 6,400 tokens of the prompt, as much as its engine's free KV still holds: it is
+    preferred while it runs at most `load_bound` more requests than the emptiest, and the pool's
+    first token and prefill are its own (the queue sent there before, then the rest of the prompt)
+    even where t1 would be sooner."""
+    pools = _pools({"t1": 32, "t2": 32})
+    t2 = pools["team"].backends[1]
+    _read(pools, "t1", running=0, kv_usage=0.0)
+    _read(pools, "t2", running=0, kv_usage=0.0)
+    t2.first_tokens.waiting("earlier", NOW, prefill=1.0)  # sent before it: 1 s of prefill ahead
+    t2.in_flight = 2
+    cached = Cached(tokens=20_000, held={"t2": 6_400})
+    state = _states(pools, 20_256, cached, load_bound=2)["team"]
+    assert (state.prefer, state.held) == ("t2", 6_400)
+    assert state.prefill == pytest.approx(1.0 + 13_600 * 5e-5)
+    assert state.ttft == pytest.approx(1.0 + 13_600 * 5e-5)  # t1's would be 20,000 tokens' alone: 1 s
+    t2.in_flight = 3  # one past the bound: t1, the emptiest and the soonest
+    state = _states(pools, 20_256, cached, load_bound=2)["team"]
+    assert (state.prefer, state.held) == (None, 0)
+    assert state.ttft == pytest.approx(1.0)
+    # An engine filled by others since has evicted most of it: what its free KV can hold.
+    t2.in_flight = 2
+    _read(pools, "t2", running=0, kv_usage=1 - 2**-10)  # 2,048 tokens free
+    assert _states(pools, 20_256, cached, load_bound=2)["team"].held == 2_048
+
+
+def test_of_backends_holding_as_much_the_emptier_is_preferred() -> None:
+    pools = _pools({"t1": 32, "t2": 32, "t3": 32})
+    t1, t2, t3 = pools["team"].backends
+    t1.in_flight, t2.in_flight, t3.in_flight = 3, 1, 0
+    cached = Cached(tokens=20_000, held={"t1": 640, "t2": 640})
+    assert _states(pools, 20_256, cached, load_bound=4)["team"].prefer == "t2"
+    # None holds any: where the conversation last went, named by its session.
+    cold = Cached(tokens=20_000, held={}, last="t1")
+    assert _states(pools, 20_256, cold, load_bound=4)["team"].prefer == "t1"
+
+
+def test_the_emptiest_backend_is_the_least_loaded_for_its_slots() -> None:
+    """t1 runs 2 requests of its 8 slots, t2 4 of its 64: the pool's concurrency is t2's."""
+    pools = _pools({"t1": 8, "t2": 64})
+    t1, t2 = pools["team"].backends
+    t1.in_flight, t2.in_flight = 2, 4
+    assert _states(pools, 256)["team"].concurrency == 4
+
+
+def test_requests_waiting_in_an_engine_are_a_queue_only_on_a_fresh_reading() -> None:
+    pools = _pools({"t1": 32})
+    backend = pools["team"].backends[0]
+    backend.engine.observe(EngineLoad(running=32, waiting=3, queued=3, kv_usage=0.95, scraped_at=NOW))
+    assert _states(pools, 256)["team"].engine_queued == 3
+    assert _states(pools, 256, now=NOW + 5.1)["team"].engine_queued == 0
