@@ -75,7 +75,7 @@ def _stated_concurrency(values: Mapping[str, list[float]]) -> float | None:
     blocks, size = values.get(f"{_CACHE_INFO}:num_gpu_blocks"), values.get(f"{_CACHE_INFO}:block_size")
     length = values.get(f"{_CACHE_INFO}:max_model_len")
     if blocks and size and length and length[0] > 0:
-        return sum(blocks) * size[0] / length[0]
+        return _finite(sum(blocks) * size[0] / length[0])
     return None
 
 
@@ -86,7 +86,12 @@ def _stated_kv_tokens(values: Mapping[str, list[float]]) -> float | None:
     if stated:
         return min(stated)
     blocks, size = values.get(f"{_CACHE_INFO}:num_gpu_blocks"), values.get(f"{_CACHE_INFO}:block_size")
-    return min(blocks) * size[0] if blocks and size else None
+    return _finite(min(blocks) * size[0]) if blocks and size else None
+
+
+def _finite(value: float) -> float | None:
+    """A figure worked out of finite ones that overflowed says nothing, as a non-finite one sent."""
+    return value if math.isfinite(value) else None
 
 
 def _first(

@@ -271,3 +271,19 @@ def test_a_stated_cache_no_engine_could_have_does_not_size_requests(size: str, b
     view = EngineView()
     view.observe(dataclasses.replace(engine_load(values, None, now=1.0), running=1, kv_usage=1 / 32, scraped_at=1.0))
     assert view.kv_per_request(32, tokens=276) == pytest.approx(share)
+
+
+def test_a_stated_cache_too_large_for_a_float_does_not_size_requests() -> None:
+    """A hostile engine's `cache_config_info`: blocks times block size past any float made the
+    share of a request raise (an infinite cache over a stated capacity) on every request routed."""
+    values = parse(
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{num_gpu_blocks="1e200",block_size="1e200",kv_cache_max_concurrency="1",'
+        'max_model_len="1"} 1.0\n'
+    )
+    reading = engine_load(values, None, now=1.0)
+    assert reading.kv_cache_tokens is None
+    view = EngineView()
+    view.observe(dataclasses.replace(reading, running=1, kv_usage=1 / 32, scraped_at=1.0))
+    assert view.kv_per_request(32, tokens=276) == pytest.approx(1 / 32)
+    assert view.kv_projected(1.5, 5.0, in_flight=0, max_concurrency=32, tokens=276) == pytest.approx(2 / 32)
