@@ -55,12 +55,12 @@ class PromptText:
     """A request body's prompt, read once for every stage that looks at it."""
 
     text: str  # `request_text`
-    tokens: int  # `prompt_tokens`
-    total: int | None  # `request_tokens`
+    tokens: int  # the prompt's, estimated (`_prompt_tokens`)
+    total: int | None  # at the request's end, estimated (`_request_tokens`)
 
 
 def read_prompt(payload: Mapping[str, Any]) -> PromptText:
-    """`request_text`, `prompt_tokens` and `request_tokens` of a body, in one pass over its prompt."""
+    """A body's `request_text` and its prompt's and whole request's tokens, in one pass over its prompt."""
     text = request_text(payload)
     return PromptText(text, _prompt_tokens(payload, len(text)), _request_tokens(payload, len(text)))
 
@@ -92,14 +92,10 @@ _CHARS_PER_TOKEN = 4
 _ANSWER_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 
-def prompt_tokens(payload: Mapping[str, Any]) -> int:
-    """The prompt's tokens, estimated from its length (what a rate limit takes on arrival); a
-    prompt or input given as token ids, one a token, and an input given as a list of texts too."""
-    return read_prompt(payload).tokens
-
-
 def _prompt_tokens(payload: Mapping[str, Any], chars: int) -> int:
-    """`prompt_tokens`, given the length of the body's `request_text`."""
+    """The prompt's tokens, estimated from its length (`chars`: of the body's `request_text`; what a
+    rate limit takes on arrival); a prompt or input given as token ids, one a token, and an input
+    given as a list of texts too."""
     text = -(-chars // _CHARS_PER_TOKEN)
     return text + _listed(payload.get("prompt"), texts=False) + _listed(payload.get("input"), texts=True)
 
@@ -119,14 +115,10 @@ def _listed(value: object, *, texts: bool) -> int:
     return tokens
 
 
-def request_tokens(payload: Mapping[str, Any]) -> int | None:
-    """The tokens a request holds at its end, estimated: its prompt and the longest answers it
-    allows (`n` of them). None when it sets no answer limit: the engine's own default is not known."""
-    return read_prompt(payload).total
-
-
 def _request_tokens(payload: Mapping[str, Any], chars: int) -> int | None:
-    """`request_tokens`, given the length of the body's `request_text`."""
+    """The tokens a request holds at its end, estimated: its prompt (`chars`: the length of the
+    body's `request_text`) and the longest answers it allows (`n` of them). None when it sets no
+    answer limit: the engine's own default is not known."""
     limit = next((count for key in _ANSWER_LIMITS if (count := _count(payload.get(key)))), None)
     if limit is None:
         return None

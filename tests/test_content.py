@@ -14,10 +14,8 @@ from router.content import (
     ContentKind,
     PromptText,
     detect_kind,
-    prompt_tokens,
     read_prompt,
     request_text,
-    request_tokens,
 )
 from router.prompts import prompts
 
@@ -140,7 +138,7 @@ def test_detection_time_grows_linearly_with_the_text(unit: str, tail: str) -> No
     ],
 )
 def test_request_tokens_estimates_a_requests_length_at_its_end(payload: dict[str, Any], tokens: int | None) -> None:
-    assert request_tokens(payload) == tokens
+    assert read_prompt(payload).total == tokens
 
 
 @pytest.mark.parametrize(
@@ -163,4 +161,3 @@ def test_a_prompt_is_read_once_for_its_text_and_both_estimates(
     payload: dict[str, Any], text: str, tokens: int, total: int | None
 ) -> None:
     assert read_prompt(payload) == PromptText(text, tokens, total)
-    assert (request_text(payload), prompt_tokens(payload), request_tokens(payload)) == (text, tokens, total)

@@ -257,7 +257,7 @@ RELOADABLE: dict[str, tuple[Any, Observe | WithEngine]] = {
     "classify.client_memory_seconds": (5, _remembered),
     "classify.burst_hold_seconds": (5.0, _held),
     "classify.placeholder_keys": (["team-key"], lambda r: "team-key" in r.plan.placeholders),
-    "classify.code_hints": (["frobnicate"], lambda r: content_kind({"prompt": "frobnicate it"}, r.plan.code_hints)),
+    "classify.code_hints": (["frobnicate"], lambda r: content_kind({}, r.plan.code_hints, text="frobnicate it")),
     "fairness.fair_share": (False, lambda r: r.pools["fast"].fair_share),
     "fairness.keep_room": (False, lambda r: r.pools["fast"].active.keep_room),
     "fairness.active_window": (5.0, lambda r: r.pools["fast"].active.window),

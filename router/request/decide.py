@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.content import ContentKind, detect_kind, request_text
+from router.content import ContentKind, detect_kind
 from router.errors import BadRequest, NoBackendAvailable
 from router.request.incoming import Incoming
 from router.routing.classify import Classifier, RequestFacts, UnknownOverride
@@ -103,11 +103,11 @@ def with_field(body: bytes, key: str, value: Any) -> bytes:
     return json.dumps({**json.loads(body), key: value}, separators=(",", ":")).encode()
 
 
-def content_kind(payload: Mapping[str, Any], code_hints: tuple[str, ...], *, text: str | None = None) -> ContentKind:
-    """`text`: the payload's `request_text`, where it was read already."""
+def content_kind(payload: Mapping[str, Any], code_hints: tuple[str, ...], *, text: str) -> ContentKind:
+    """`text`: the payload's `request_text`, read once for every stage."""
     if payload.get("tools") or payload.get("functions"):
         return "code"  # tool calls are structured output, which a drafter guesses well
-    return detect_kind(request_text(payload) if text is None else text, hints=code_hints)
+    return detect_kind(text, hints=code_hints)
 
 
 def upstream_body(incoming: Incoming, *, rewrite_model: str | None) -> tuple[bytes, bool]:

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.config import Conversations
-from router.content import request_text
 
 CHARS_PER_TOKEN = 4  # as router.content estimates a prompt's tokens
 _KEY_BLOCKS = 4  # the blocks that name a conversation without a session header
@@ -72,11 +71,10 @@ class ConversationIndex:
         return len(self._blocks) + len(self._conversations)
 
     def prompt(
-        self, payload: Mapping[str, Any], headers: Mapping[str, str], *, client: str, text: str | None = None
+        self, payload: Mapping[str, Any], headers: Mapping[str, str], *, client: str, text: str
     ) -> Prompt | None:
         """The request's conversation and blocks; None for a request with no prompt to place.
-        `text`: the payload's `request_text`, where it was read already."""
-        text = request_text(payload) if text is None else text
+        `text`: the payload's `request_text`, read once for every stage."""
         if not text:
             return None
         config = self.config

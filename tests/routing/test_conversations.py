@@ -10,6 +10,7 @@ import pytest
 from router.backends.backend import FirstTokens
 from router.backends.engines import EngineLoad, EngineView, PrefillRate
 from router.config import Conversations, Routing
+from router.content import request_text
 from router.routing.classify import Classification
 from router.routing.conversations import ConversationIndex, Prompt
 from router.routing.learn import Estimate
@@ -24,7 +25,8 @@ def _chat(*texts: str, model: str = "glm") -> dict[str, Any]:
 
 
 def _prompt(index: ConversationIndex, *texts: str, headers: dict[str, str] | None = None, **kw: Any) -> Prompt:
-    prompt = index.prompt(_chat(*texts, **kw), headers or {}, client="c1")
+    payload = _chat(*texts, **kw)
+    prompt = index.prompt(payload, headers or {}, client="c1", text=request_text(payload))
     assert prompt is not None
     return prompt
 
@@ -60,7 +62,7 @@ def test_the_session_header_names_the_conversation_per_client_and_model() -> Non
     headers = {"x-session-id": "s1"}
     one, two = _prompt(index, "first", headers=headers), _prompt(index, "a different text", headers=headers)
     assert one.key == two.key
-    other_client = index.prompt(_chat("first"), headers, client="c2")
+    other_client = index.prompt(_chat("first"), headers, client="c2", text="first")
     assert other_client is not None and other_client.key != one.key
     assert _prompt(index, "first", headers=headers, model="m2").key != one.key
 
@@ -92,7 +94,8 @@ def test_a_flood_of_distinct_prompts_and_sessions_stays_within_the_caps() -> Non
     tracemalloc.start()
     try:
         for i in range(3_000):
-            prompt = index.prompt(_chat(f"{i} " + HISTORY[:3000]), {"x-session-id": f"s{i}"}, client="c")
+            text = f"{i} " + HISTORY[:3000]
+            prompt = index.prompt(_chat(text), {"x-session-id": f"s{i}"}, client="c", text=text)
             assert prompt is not None
             index.placed(prompt, backend="fast-1", pool="fast", now=float(i))
             if i == 1_000:
