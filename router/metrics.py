@@ -322,6 +322,12 @@ class _LiveState(Collector):
             'of their identity, and the rest summed as client="others".',
             labels=["pool", "client"],
         )
+        entered = CounterMetricFamily(
+            "specroute_queue_entries",
+            "Requests that found no slot of a pool they could take on arrival and joined its queue (then served, "
+            "timed out, or turned away by a full queue).",
+            labels=["pool", "job_class"],
+        )
         held_back = CounterMetricFamily(
             "specroute_held_back_requests",
             "Requests that waited in a pool's queue although a slot was free: their client held its share while "
@@ -372,6 +378,7 @@ class _LiveState(Collector):
                         family.add_metric(key, value)
             for job in JOB_CLASSES:
                 queued.add_metric([pool.name, job], pool.queued(job))
+                entered.add_metric([pool.name, job], pool.entered[job])
             held_back.add_metric([pool.name], pool.held_back)
             newcomers.add_metric([pool.name], pool.newcomers.admitted)
             named, others = pool.shares(self.top_clients)
@@ -379,22 +386,5 @@ class _LiveState(Collector):
                 client_slots.add_metric([pool.name, client_hash(client)], slots)
             if others:
                 client_slots.add_metric([pool.name, "others"], others)
-        yield from (
-            in_flight,
-            healthy,
-            draining,
-            gone,
-            queued,
-            held_back,
-            newcomers,
-            running,
-            waiting,
-            kv,
-            acceptance,
-            accept_length,
-            acceptance_age,
-            stale,
-            learned,
-            oldest_waiting,
-            client_slots,
-        )
+        yield from (in_flight, healthy, draining, gone, queued, entered, held_back, newcomers, running, waiting)
+        yield from (kv, acceptance, accept_length, acceptance_age, stale, learned, oldest_waiting, client_slots)

@@ -16,7 +16,6 @@ router.backends.backend.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -69,9 +68,9 @@ class Pool:
         self.held: dict[str, int] = {}  # slots held per client, for those holding one
         self.active = Activity(clock if clock is not None else MonotonicClock())
         self.held_back = 0  # requests that waited for room kept for others, ever
+        self.entered: dict[JobClass, int] = {"interactive": 0, "batch": 0}  # requests that joined the queue, ever
         self.newcomers = Newcomers()  # room over the cap for clients holding no slot
         self._recheck: asyncio.TimerHandle | None = None  # a `wake` when the next client goes inactive
-        self._arrivals = itertools.count()
         self.mean_duration: float | None = None  # seconds a request takes here, a running mean (None: none yet)
 
     def queued(self, job: JobClass | None = None) -> int:
@@ -139,7 +138,9 @@ class Pool:
                     retry_after=self._retry_after(),
                     code="pool_unavailable",
                 )
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), only, client, weight, next(self._arrivals), tokens)
+        self.entered[job] += 1
+        arrival = sum(self.entered.values())  # its place among all that queued here
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), only, client, weight, arrival, tokens)
         queue = self._waiters[job]
         queue.append(waiter)
         # Those ahead may all wait for a full backend of their own: a slot none of them can take
@@ -316,9 +317,7 @@ class Pool:
         if self.mean_duration is None:
             return RETRY_AFTER_FLOOR
         # With no backend accepting, the slots it will have once one returns.
-        capacity = sum(b.max_concurrency for b in self.backends if b.accepting) or sum(
-            b.max_concurrency for b in self.backends
-        )
+        capacity = sum(b.max_concurrency for b in [b for b in self.backends if b.accepting] or self.backends)
         wait = self.mean_duration * (self.queued() + 1) / (capacity or 1)
         return max(RETRY_AFTER_FLOOR, min(RETRY_AFTER_CAP, math.ceil(wait)))
 

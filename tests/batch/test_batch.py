@@ -20,7 +20,6 @@ from router.batch.runner import RATE_WINDOW
 from router.batch.service import REOPEN_SECONDS
 from tests.batches import batch_input
 from tests.conftest import Cluster
-from tests.timing import too_busy_to_time
 from tests.wait import until
 
 pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
@@ -613,13 +612,9 @@ def test_batch_lines_leave_room_for_live_requests(make_cluster: Callable[..., Ab
         assert 2 <= busiest <= 8 - 2 + 1, busiest  # six lines at most, and the one live request
         assert queued == 0
         assert live and all(status == 200 and pool == "team" for status, pool, _ in live)
-        # Every line took a free slot at once: a wait read off the clock, so a machine too busy to
-        # time it (one that delays even an immediate acquire past 10 ms) skips this, visibly.
-        if busy := too_busy_to_time():
-            pytest.skip(busy)
-        assert cluster.metric(
-            "specroute_queue_wait_seconds_bucket", pool="team", job_class="batch", le="0.01"
-        ) == cluster.metric("specroute_queue_wait_seconds_count", pool="team", job_class="batch")
+        # Every line and every live request took a free slot at once: none joined the queue (a count,
+        # not a wait read off the clock, which a stalled test process stretches).
+        assert cluster.metric("specroute_queue_entries_total", pool="team", job_class="batch") == 0
 
 
 def test_batch_lines_are_trusted_without_opening_overrides_to_clients(

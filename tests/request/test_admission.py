@@ -38,6 +38,8 @@ def test_full_queue_and_queue_timeout_answer_503_with_retry_after(make_cluster: 
             assert first.result().status_code == 200
         assert len(cluster.fast.requests) == 1
         assert cluster.metric("specroute_queue_wait_seconds_count", pool="fast", job_class="interactive") == 1
+        # Both found the slot taken and joined the queue: one timed out there, one was turned away.
+        assert cluster.metric("specroute_queue_entries_total", pool="fast", job_class="interactive") == 2
 
 
 def test_queued_request_is_served_when_a_slot_frees(make_cluster: Any) -> None:
