@@ -34,16 +34,28 @@ LONG = 1500  # tokens per long request: with its prompt, 12 of the KV cache's 32
 def long_requests(
     cluster: RealCluster, pool: str, count: int
 ) -> Iterator[list[Future[tuple[str, str, ChatCompletion]]]]:
-    """`count` long requests pinned to `pool`, running while the block runs; all must succeed."""
-    with ThreadPoolExecutor(max_workers=count) as threads:
-        futures = [
-            threads.submit(cluster.chat, user=f"long-{i}", pool=pool, max_tokens=LONG, content=f"Story {i}: once upon")
-            for i in range(count)
-        ]
-        yield futures
-        for future in futures:
-            served, _, answer = future.result(timeout=300)
-            assert served == pool and answer.usage is not None and answer.usage.completion_tokens == LONG
+    """`count` long requests pinned to `pool`, sent together and running while the block runs;
+    all must succeed. Their clients are made first: making one takes tens of milliseconds of CPU,
+    which two busy engines stretched so far that once the sixteen arrived over 12 s, two or three
+    at a time, each served in 1-4 s, and the engine never had one waiting."""
+    clients = [cluster.new_client() for _ in range(count)]
+    together = threading.Barrier(count)
+
+    def send(number: int) -> tuple[str, str, ChatCompletion]:
+        together.wait(timeout=60)
+        story = f"Story {number}: once upon"
+        return cluster.chat(user=f"long-{number}", pool=pool, max_tokens=LONG, content=story, client=clients[number])
+
+    try:
+        with ThreadPoolExecutor(max_workers=count) as threads:
+            futures = [threads.submit(send, number) for number in range(count)]
+            yield futures
+            for future in futures:
+                served, _, answer = future.result(timeout=300)
+                assert served == pool and answer.usage is not None and answer.usage.completion_tokens == LONG
+    finally:
+        for client in clients:
+            client.close()
 
 
 def test_memory_of_each_engine(real: RealCluster) -> None:
