@@ -113,15 +113,16 @@ class FakeEngine:
         )
 
     async def _record(self, request: Request) -> dict[str, Any]:
+        raw = await request.body()
         try:
-            body: dict[str, Any] = await request.json()
+            body: dict[str, Any] = json.loads(raw)
         except ValueError as exc:  # as vLLM: a body that is not JSON is the client's error
             raise HTTPException(400, "the body is not JSON") from exc
         if not isinstance(body, dict):
             raise HTTPException(400, "the body is not a JSON object")
         self.stats["requests"] += 1
         if self.record:
-            self.requests.append(Seen(request.url.path, dict(request.headers), body))
+            self.requests.append(Seen(request.url.path, dict(request.headers), body, request.method, raw))
         if not isinstance(body.get("model"), str):
             # Like an engine: a request it cannot read is the client's error, not its own.
             raise HTTPException(400, "model must be a string")

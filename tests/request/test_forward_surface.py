@@ -201,6 +201,43 @@ async def test_a_delete_with_a_body_is_forwarded_as_it_came(cluster: Cluster) ->
     _assert_unharmed(cluster)
 
 
+USAGE_ASKED = {"include_usage": True, "continuous_usage_stats": False}
+
+
+@pytest.mark.anyio
+async def test_a_stream_goes_to_the_engine_in_the_clients_bytes_with_the_usage_request_appended(
+    cluster: Cluster,
+) -> None:
+    # The client's own spacing, escapes and UTF-8 go on as they came: the field the router adds
+    # (the stream's token counts) is appended to them, not the body decoded and encoded anew.
+    body = b'{ "model" : "test-model", "messages": [{"role": "user", "content": "caf\\u00e9 \xe2\x82\xac"}],\n'
+    body += b' "max_tokens": 3, "stream": true }\r\n'
+    request = _raw_request("POST", "/v1/chat/completions", body, content_type="application/json")
+    status, _, answer = _parse(await _exchange(cluster.router.port, request))
+    assert status == 200 and b"data: [DONE]\n\n" in answer, answer
+    assert b'"usage"' not in answer  # asked for by the router, not the client: dropped
+    (seen,) = [*cluster.fast.requests, *cluster.team.requests]
+    appended = b',"stream_options":{"include_usage":true,"continuous_usage_stats":false}}'
+    assert seen.raw == body.rstrip()[:-1] + appended
+    assert seen.body == {**json.loads(body), "stream_options": USAGE_ASKED}
+    _assert_unharmed(cluster)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32-le"])
+async def test_a_body_in_another_unicode_encoding_goes_to_the_engine_in_utf_8(cluster: Cluster, encoding: str) -> None:
+    # JSON in UTF-16 or 32 parses too (RFC 8259 asks UTF-8 only of what crosses networks): bytes
+    # appended to it would make it unreadable, so it is encoded anew, as JSON in UTF-8.
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "caf\u00e9"}], "max_tokens": 3, "stream": True}
+    body = json.dumps(payload).encode(encoding)
+    request = _raw_request("POST", "/v1/chat/completions", body, content_type="application/json")
+    status, _, answer = _parse(await _exchange(cluster.router.port, request))
+    assert status == 200, answer
+    (seen,) = [*cluster.fast.requests, *cluster.team.requests]
+    assert seen.raw.isascii() and json.loads(seen.raw) == {**payload, "stream_options": USAGE_ASKED}
+    _assert_unharmed(cluster)
+
+
 @pytest.mark.anyio
 async def test_a_get_with_a_huge_query_is_forwarded_within_the_head_limit_and_431_past_it(cluster: Cluster) -> None:
     target = "/v1/fine_tuning/jobs/ftjob-1?q=" + "a" * 12_000
