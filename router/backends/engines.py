@@ -235,8 +235,9 @@ class EngineView:
         if since is None or held <= 0:
             return 0
         usage, sent = since
-        fits = max(0, math.ceil((kv_threshold - usage) / held) - 1)
-        return max(0, sent - fits)
+        # Room for one more than were sent is room for all (`held` an engine made near 0: `inf`).
+        room = min((kv_threshold - usage) / held, sent + 1)
+        return max(0, sent - max(0, math.ceil(room) - 1))
 
     def _since_reading(
         self, fresh: bool, *, in_flight: int, held: float, elsewhere: Elsewhere

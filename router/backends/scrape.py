@@ -39,6 +39,8 @@ _PROMPT_TOKENS, _CACHE_HITS = "vllm:prompt_tokens_total", "vllm:prefix_cache_hit
 _READ = (*_RUNNING, *_WAITING, *_KV, _ACCEPTED, _DRAFT_TOKENS, _DRAFTS, _ACCEPT_LENGTH, _ACCEPT_RATE, _CACHE_INFO,
          *_PREFILL_SECONDS, _PROMPT_TOKENS, _CACHE_HITS)  # fmt: skip
 _READ_NAME = re.compile("(?:" + "|".join(map(re.escape, _READ)) + r")[{ \t]")  # not `<name>_created`
+# Past this a float no longer counts in ones: no count, usage or size of an engine gets there.
+_LARGEST = 2.0**53
 
 logger = logging.getLogger("specroute.backends")
 
@@ -51,18 +53,19 @@ def parse(text: str) -> dict[str, list[float]]:
     The labels of vLLM's `cache_config_info` (its stated capacity) are kept as the values of
     `vllm:cache_config_info:<label>`, for the ones that are numbers. A value that is not a finite
     number (the exposition format allows `NaN` and `+Inf`) says nothing of a load and is left
-    out, as if the engine had not sent it.
+    out, as if the engine had not sent it; so is one past 2⁵³ either way (`_LARGEST`), so that
+    what is worked out of them (a sum over ranks, a rounding) stays a finite number.
     """
     samples: dict[str, list[float]] = {}
     read = "\n".join(line for line in text.splitlines() if line.startswith(_READ) and _READ_NAME.match(line))
     for family in text_string_to_metric_families(read):
         for sample in family.samples:
-            if math.isfinite(sample.value):
+            if abs(sample.value) <= _LARGEST:  # not NaN; an int of any size compares
                 samples.setdefault(sample.name, []).append(sample.value)
             if sample.name == _CACHE_INFO:
                 for label, value in sample.labels.items():
                     with contextlib.suppress(ValueError):
-                        if math.isfinite(number := float(value)):
+                        if abs(number := float(value)) <= _LARGEST:
                             samples.setdefault(f"{_CACHE_INFO}:{label}", []).append(number)
     return samples
 

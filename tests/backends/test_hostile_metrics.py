@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -53,3 +54,36 @@ def test_absurd_prefill_counters_break_no_decision(tokens: float, seconds: float
         for family in cluster.registry.collect():
             for sample in family.samples:
                 assert not math.isnan(sample.value), sample
+
+
+_RUNNING, _WAITING, _KV = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
+
+
+def _engine(cluster: Cluster) -> Any:
+    """The router's view of pool `fast`'s engine, as /router/status shows it."""
+    status = httpx.get(cluster.router.url + "/router/status", timeout=30).json()
+    return status["pools"]["fast"]["backends"]["fast-1"]["engine"]
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        f"{_RUNNING} 1{'0' * 400}\n",  # an integer too large for a float
+        f'{_RUNNING}{{engine="0"}} 1e308\n{_RUNNING}{{engine="1"}} 1e308\n',  # finite, summed past one
+        f"{_RUNNING} 1e308\n{_WAITING} 1e308\n",
+        f"{_RUNNING} 8\n{_WAITING} 1\n{_KV} 1e-310\n",  # full, at a usage per request no ratio of it holds
+        f"{_RUNNING} -1e308\n{_WAITING} -1e308\n",
+    ],
+    ids=["huge-integer", "ranks-past-float", "running-and-waiting-past-float", "denormal-usage", "negative"],
+)
+def test_numbers_no_float_holds_stop_no_scrape_and_no_request(page: str) -> None:
+    with running_cluster(scrape={"interval": 0.02}) as cluster:
+        engine = cluster.fast
+        engine.metrics = page
+        # Scraped twice: the scrapes go on after the first reading of it.
+        served = engine.metrics_served
+        wait_until(lambda: engine.metrics_served > served + 1, message="two scrapes of the page")
+        answer = httpx.post(cluster.base_url + "/chat/completions", json=CHAT, timeout=30)
+        assert answer.status_code == 200, answer.text
+        engine.metrics = f"{_RUNNING} 3\n{_WAITING} 0\n{_KV} 0.25\n"
+        wait_until(lambda: _engine(cluster)["running"] == 3, message="the next good page read")
