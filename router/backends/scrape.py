@@ -57,7 +57,7 @@ def parse(text: str) -> dict[str, list[float]]:
     what is worked out of them (a sum over ranks, a rounding) stays a finite number.
     """
     samples: dict[str, list[float]] = {}
-    read = "\n".join(line for line in text.splitlines() if line.startswith(_READ) and _READ_NAME.match(line))
+    read = "\n".join(line for line in text.split("\n") if line.startswith(_READ) and _READ_NAME.match(line))
     for family in text_string_to_metric_families(read):
         for sample in family.samples:
             if abs(sample.value) <= _LARGEST:  # not NaN; an int of any size compares

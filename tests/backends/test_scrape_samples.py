@@ -287,3 +287,19 @@ def test_a_stated_cache_too_large_for_a_float_does_not_size_requests() -> None:
     view.observe(dataclasses.replace(reading, running=1, kv_usage=1 / 32, scraped_at=1.0))
     assert view.kv_per_request(32, tokens=276) == pytest.approx(1 / 32)
     assert view.kv_projected(1.5, 5.0, in_flight=0, max_concurrency=32, tokens=276) == pytest.approx(2 / 32)
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\x85", "\x0c", "\x1e"])
+def test_lines_end_where_the_exposition_ends_them(separator: str) -> None:
+    # Only `\n` ends a line of the text format (prometheus_client reads it so); str.splitlines
+    # also breaks at these, which a served model's name or a HELP text may hold: the sample read
+    # was cut in two and failed every scrape, or a piece of another line became a sample.
+    running = "vllm:num_requests_running"
+    page = (
+        f"# HELP other some text{separator}{running} 99\n"
+        f'other{{x="a{separator}{running} 98"}} 1\n'
+        f'{running}{{model_name="my{separator}model"}} 3\n'
+    )
+    whole = [each.value for family in text_string_to_metric_families(page) for each in family.samples]
+    assert whole == [1, 3]
+    assert parse(page) == {running: [3]}
