@@ -87,3 +87,29 @@ def test_numbers_no_float_holds_stop_no_scrape_and_no_request(page: str) -> None
         assert answer.status_code == 200, answer.text
         engine.metrics = f"{_RUNNING} 3\n{_WAITING} 0\n{_KV} 0.25\n"
         wait_until(lambda: _engine(cluster)["running"] == 3, message="the next good page read")
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        "".join(f'{_RUNNING}{{engine="{rank}"}} 1\n' for rank in range(10_000)),
+        _RUNNING + '{model_name="' + '\\"' * 10_000 + '"} 1\n',  # escaped quotes: a parse as the line's square
+    ],
+    ids=["lines", "line"],
+)
+def test_more_of_the_samples_read_than_any_engine_sends_is_a_failed_scrape(page: str) -> None:
+    # prometheus_client's parser takes each line read on the event loop every request waits on:
+    # some 8 µs a short line, 8 s a line of 1 MB of escaped quotes. Of a page of such lines at the
+    # 64 MiB a scrape may read, no request would be served for minutes.
+    with running_cluster(scrape={"interval": 0.02, "stale_after": 0.5}) as cluster:
+        engine = cluster.fast
+        engine.metrics = f"{_RUNNING} 3\n{_WAITING} 0\n"
+        wait_until(lambda: _engine(cluster)["running"] == 3, message="the good page read")
+        engine.metrics = page
+        served = engine.metrics_served
+        wait_until(lambda: engine.metrics_served > served + 1, message="two scrapes of the page")
+        # Not read: the last good reading stays, and goes stale.
+        assert _engine(cluster)["running"] == 3
+        wait_until(lambda: _engine(cluster)["stale"], message="the reading stale")
+        answer = httpx.post(cluster.base_url + "/chat/completions", json=CHAT, timeout=30)
+        assert answer.status_code == 200, answer.text
