@@ -23,6 +23,7 @@ from router.workers.figures import Figures
 logger = logging.getLogger("specroute.workers")
 
 _LINE_LIMIT = 64 * 1024 * 1024  # a sync of every client in flight on a worker fits
+_LARGEST = 2**53
 
 
 async def serve_figures(path: str, figures: Figures) -> asyncio.Server:
@@ -46,23 +47,48 @@ async def serve_figures(path: str, figures: Figures) -> asyncio.Server:
 
 def _answer(figures: Figures, worker: int, call: list[Any]) -> bytes:
     match call:
-        case [int() as id_, "client", str() as client, int() as here]:
+        case [int() as id_, "client", str() as client, int() as here] if _counts(here):
             share = figures.client(worker, client, here=here)
             answer: list[Any] = [id_, share.in_flight, share.peak, _flat(share.backends)]
         case [int() as id_, "claim", list() as asks]:
-            claims = figures.claim(worker, [Ask(*ask) for ask in asks])
+            claims = figures.claim(worker, [_ask(ask) for ask in asks])
             answer = [id_, [[c.granted, c.in_flight, c.peak] for c in claims.claims], _flat(claims.backends)]
-        case [int() as id_, "ended", dict() as clients, dict() as backends, dict() as unread, dict() as held]:
+        case [int() as id_, "ended", dict() as clients, dict() as backends, dict() as unread, dict() as held] if (
+            _counts(*clients.values(), *backends.values(), *unread.values(), *held.values())
+        ):
             figures.ended(worker, clients, backends, unread, held)
             answer = [id_]
-        case [int() as id_, "sync", dict() as clients, dict() as backends, dict() as held]:
-            view = figures.sync(worker, clients, {name: Elsewhere(n, u) for name, (n, u) in backends.items()}, held)
+        case [int() as id_, "sync", dict() as clients, dict() as backends, dict() as held] if _counts(
+            *clients.values(), *held.values()
+        ):
+            view = figures.sync(worker, clients, {name: _elsewhere(pair) for name, pair in backends.items()}, held)
             answer = [id_, view.replicas, _flat(view.backends)]
         case [int() as id_, "stats"]:
             answer = [id_, {"workers": figures.workers, "clients_remembered": figures.remembered}]
         case _:
             raise ValueError(f"a call out of shape: {str(call)[:80]}")
     return json.dumps(answer, separators=(",", ":")).encode() + b"\n"
+
+
+def _counts(*values: Any) -> bool:
+    """Whether each of a call's `values` is a count (of requests, slots, a change in them): an int
+    a float holds exactly. A worker's figures are summed into the others' answers: a string there
+    failed each of their calls, a NaN or a float went on to them."""
+    return all(type(value) is int and -_LARGEST <= value <= _LARGEST for value in values)
+
+
+def _ask(ask: Any) -> Ask:
+    match ask:
+        case [str() as backend, unread, limit, str() as client, here, bool() as hold] if _counts(unread, limit, here):
+            return Ask(backend, unread, limit, client, here, hold)
+    raise ValueError(f"an ask out of shape: {str(ask)[:80]}")
+
+
+def _elsewhere(pair: Any) -> Elsewhere:
+    match pair:
+        case [in_flight, unread] if _counts(in_flight, unread):
+            return Elsewhere(in_flight, unread)
+    raise ValueError(f"a backend's figures out of shape: {str(pair)[:80]}")
 
 
 def _flat(backends: Mapping[str, Elsewhere]) -> list[list[Any]]:
