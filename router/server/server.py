@@ -37,7 +37,8 @@ class RouterServer(uvicorn.Server):
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.router.reload_logged)
         # What was built to serve (modules, settings, the app and its parts) lives as long as the
         # process: out of the collector's reach, its passes scan only what requests leave behind.
-        # What of it dies later in a cycle stays: once, whatever the number of reloads.
+        # What of it dies later in a cycle stays: once, whatever the number of reloads, until the
+        # server stops (see `shutdown`).
         gc.collect()
         gc.freeze()
 
@@ -45,3 +46,6 @@ class RouterServer(uvicorn.Server):
         self.router.begin_shutdown()
         self.config.timeout_graceful_shutdown = round(self.router.grace_seconds + _BACKSTOP_SECONDS)
         await super().shutdown(sockets)
+        # Back in the collector's reach: in a process that goes on (a test run, a router served
+        # twice) what it built is collected, and what else was alive at the freeze.
+        gc.unfreeze()
