@@ -2,6 +2,7 @@
 
 An access line carries its fields twice: as the message (`key=value ...`, for people and the
 text format) and as `record.fields`, which the JSON format writes as keys of their own.
+`Unforeseen` says once what a background loop did not expect to fail with.
 """
 
 from __future__ import annotations
@@ -76,3 +77,28 @@ def client_hash(client: str) -> str:
     """
     kind, _, identity = client.partition(":")
     return f"{kind}:{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
+
+
+class Unforeseen:
+    """What a background loop serving every backend (scrape, health checks, discovery, the model
+    list) catches besides the failures it names: a bug of ours or of a library's, or an answer no
+    check foresaw. Each is logged once with its traceback, by its type and the line that raised
+    it, whatever the backends it happens on and however often: a broken engine scraped each
+    second cannot fill the log. The backend's own lines (stale, unhealthy) say the rest."""
+
+    MOST = 256  # distinct ones logged; past them, none (a bounded set, whatever is raised)
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self._logged: set[tuple[type[BaseException], str, int]] = set()
+
+    def log(self, exc: BaseException, message: str, *args: object) -> None:
+        """`exc` and its traceback, unless one of its type from the same line was logged."""
+        where = exc.__traceback__
+        while where is not None and where.tb_next is not None:
+            where = where.tb_next
+        key = (type(exc), where.tb_frame.f_code.co_filename, where.tb_lineno) if where else (type(exc), "", 0)
+        if key in self._logged or len(self._logged) >= self.MOST:
+            return
+        self._logged.add(key)
+        self._logger.exception(message + " (said once for this failure)", *args, exc_info=exc)

@@ -19,6 +19,7 @@ from router.backends.engines import EngineLoad
 from router.backends.pools import Pools
 from router.clock import Clock
 from router.config import Scrape
+from router.logs import Unforeseen
 from router.transport import Transport, TransportError
 
 _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
@@ -179,47 +180,73 @@ class EngineScraper:
         self._previous: dict[str, dict[str, list[float]]] = {}
         # Requests sent to each backend (Backend.sent) when its last good reading was asked for.
         self._sent: dict[str, int] = {}
+        self._unforeseen = Unforeseen(logger)
 
     def configure(self, config: Scrape) -> None:
         self._config = config
 
     async def run(self) -> None:
         while True:
-            await self.scrape_all()
+            try:
+                await self.scrape_all()
+            except Exception as exc:  # a bug of ours: never the end of every backend's scrapes
+                self._unforeseen.log(exc, "engine scrapes failed")
             await asyncio.sleep(self._config.interval)
 
     async def scrape_all(self) -> None:
-        await asyncio.gather(*(self._scrape(backend) for backend in self._pools.backends()))
+        backends = list(self._pools.backends())
+        await asyncio.gather(*(self._scrape(backend) for backend in backends))
+        # What is kept of a backend goes with it (discovery's come and go, each its own name).
+        names = {backend.name for backend in backends}
+        self._previous = {name: values for name, values in self._previous.items() if name in names}
+        self._sent = {name: sent for name, sent in self._sent.items() if name in names}
         for pool in self._pools:
             if pool.queued("interactive"):
                 pool.wake()  # a reading may show KV room over the cap (router.backends.newcomers)
 
     async def _scrape(self, backend: Backend) -> None:
-        config, view = self._config, backend.engine
-        sent, running = backend.sent, backend.in_flight
-        # Of the requests running now, those sent since the last good reading was asked for.
+        """One backend's scrape. Whatever fails it (an answer unread, or any exception reading or
+        folding it in: `Unforeseen`) leaves the last reading, which goes stale; the other
+        backends' scrapes go on."""
+        sent, running = backend.sent, backend.in_flight  # as the reading is asked for
+        try:
+            try:
+                values = await self._read(backend)
+            except (TransportError, TimeoutError, ValueError) as exc:
+                self._failed(backend, exc)
+                return
+            self._fold_in(backend, values, sent=sent, running=running)
+        except Exception as exc:
+            self._unforeseen.log(exc, "backend %s (pool %s): a scrape failed", backend.name, backend.pool)
+            self._failed(backend, exc)
+
+    async def _read(self, backend: Backend) -> dict[str, list[float]]:
+        config = self._config
+        async with asyncio.timeout(config.timeout):
+            status, body = await self._transport.get(backend.url + "/metrics", headers=backend.auth_headers)
+        if status != 200:
+            raise ValueError(f"/metrics answered {status}")
+        return parse(body.decode("utf-8", "replace"))
+
+    def _failed(self, backend: Backend, exc: Exception) -> None:
+        """The last load stays, and goes stale."""
+        view, now = backend.engine, self._clock.now()
+        scraped_at = view.reading.scraped_at
+        if not view.stale and scraped_at and not view.reading.fresh(now, self._config.stale_after):
+            view.stale = True
+            logger.warning(
+                "backend %s (pool %s) engine readings stale (no good scrape for %.1f s: %s)",
+                backend.name,
+                backend.pool,
+                now - scraped_at,
+                str(exc) or type(exc).__name__,
+            )
+
+    def _fold_in(self, backend: Backend, values: dict[str, list[float]], *, sent: int, running: int) -> None:
+        view = backend.engine
+        # Of the requests running as it was asked for, those sent since the last good reading was.
         before = self._sent.get(backend.name, 0)
         recent = running if before > sent else min(running, sent - before)  # (a new Backend: all)
-        try:
-            async with asyncio.timeout(config.timeout):
-                status, body = await self._transport.get(backend.url + "/metrics", headers=backend.auth_headers)
-            if status != 200:
-                raise ValueError(f"/metrics answered {status}")
-            values = parse(body.decode("utf-8", "replace"))
-        except (TransportError, TimeoutError, ValueError) as exc:
-            # The last load stays, and goes stale.
-            now = self._clock.now()
-            scraped_at = view.reading.scraped_at
-            if not view.stale and scraped_at and not view.reading.fresh(now, config.stale_after):
-                view.stale = True
-                logger.warning(
-                    "backend %s (pool %s) engine readings stale (no good scrape for %.1f s: %s)",
-                    backend.name,
-                    backend.pool,
-                    now - scraped_at,
-                    str(exc) or type(exc).__name__,
-                )
-            return
         load = engine_load(values, self._previous.get(backend.name), self._clock.now())
         counted = view.counted(load, earlier=running - recent, recent=recent)
         view.observe(dataclasses.replace(load, own_in_flight=min(counted, backend.in_flight)))

@@ -3,6 +3,7 @@ router learns nothing from them that breaks a decision: every request is still s
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -59,10 +60,10 @@ def test_absurd_prefill_counters_break_no_decision(tokens: float, seconds: float
 _RUNNING, _WAITING, _KV = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
 
 
-def _engine(cluster: Cluster) -> Any:
-    """The router's view of pool `fast`'s engine, as /router/status shows it."""
+def _engine(cluster: Cluster, backend: str = "fast-1") -> Any:
+    """The router's view of one of pool `fast`'s engines, as /router/status shows it."""
     status = httpx.get(cluster.router.url + "/router/status", timeout=30).json()
-    return status["pools"]["fast"]["backends"]["fast-1"]["engine"]
+    return status["pools"]["fast"]["backends"][backend]["engine"]
 
 
 @pytest.mark.parametrize(
@@ -113,3 +114,35 @@ def test_more_of_the_samples_read_than_any_engine_sends_is_a_failed_scrape(page:
         wait_until(lambda: _engine(cluster)["stale"], message="the reading stale")
         answer = httpx.post(cluster.base_url + "/chat/completions", json=CHAT, timeout=30)
         assert answer.status_code == 200, answer.text
+
+
+def test_a_scrape_failing_as_no_check_foresaw_stops_no_other_backends(caplog: pytest.LogCaptureFixture) -> None:
+    # A timestamp of 400 digits: prometheus_client divides it, an int, by 1000, which raises
+    # OverflowError (no ValueError, which a page the parser cannot read raises). It ended the
+    # scraping of every backend, and said so only at shutdown.
+    page = f"{_RUNNING} 1 1{'0' * 400}\n"
+    with (
+        caplog.at_level(logging.ERROR, logger="specroute.backends"),
+        running_cluster(fast_backends=2, scrape={"interval": 0.02, "stale_after": 0.5}) as cluster,
+    ):
+        failing, other = cluster.fast, cluster.more_fast[0]
+        failing.metrics = other.metrics = f"{_RUNNING} 3\n{_WAITING} 0\n"
+        wait_until(lambda: _engine(cluster)["running"] == _engine(cluster, "fast-2")["running"] == 3)
+        failing.metrics = page
+        served = failing.metrics_served
+        wait_until(lambda: failing.metrics_served > served + 2, message="three scrapes of the page")
+        # A failed scrape, as of a page the parser cannot read: the reading stays, goes stale.
+        wait_until(lambda: _engine(cluster)["stale"], message="the reading stale")
+        assert _engine(cluster)["running"] == 3
+        other.metrics = f"{_RUNNING} 5\n{_WAITING} 0\n"
+        wait_until(lambda: _engine(cluster, "fast-2")["running"] == 5, message="the other backend scraped")
+        failing.metrics = f"{_RUNNING} 4\n{_WAITING} 0\n"
+        wait_until(lambda: _engine(cluster)["running"] == 4, message="the failing one read again")
+        assert not _engine(cluster)["stale"]
+        failing.metrics = page  # failing the same way again: not logged again
+        served = failing.metrics_served
+        wait_until(lambda: failing.metrics_served > served + 2, message="three scrapes of the page")
+    logged = [record for record in caplog.records if record.exc_info is not None]
+    assert len(logged) == 1, [record.getMessage() for record in logged]
+    assert "backend fast-1 (pool fast): a scrape failed" in logged[0].getMessage()
+    assert logged[0].exc_info is not None and logged[0].exc_info[0] is OverflowError
