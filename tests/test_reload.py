@@ -210,6 +210,14 @@ def _scrapes_often(router: Router, engine: FakeEngine) -> bool:
     return _reaches(router, router.scraper.run, lambda: engine.metrics_served >= start + 3, 0.8)
 
 
+def _reads_a_page_of_2_kb(router: Router, engine: FakeEngine) -> bool:
+    """Whether a scrape reads a `/metrics` page of 2 KB (up to 4 MiB by default)."""
+    running = engine.metrics_served + 100  # another figure at each look
+    engine.metrics = "# " + "x" * 2048 + f"\nvllm:num_requests_running {running}\n"
+    _finishes(router, router.scraper.scrape_all, 5.0)
+    return bool(_backend(router).engine.reading.running == running)
+
+
 def _slow_engine_given_up(router: Router, engine: FakeEngine, *parts: Callable[[], Awaitable[Any]]) -> list[bool]:
     """Whether each part gives up on an engine that answers in 1 s, within 0.4 s (the default
     scrape timeout is 0.5 s, the probes' and model lists' 2 s)."""
@@ -300,6 +308,7 @@ RELOADABLE: dict[str, tuple[Any, Observe | WithEngine]] = {
     "health.ejection_seconds": (1.0, lambda r: _backend(r).outlier.config.ejection_seconds),
     "health.max_ejection_seconds": (20.0, lambda r: _backend(r).outlier.config.max_ejection_seconds),
     "scrape.interval": (0.05, WithEngine(_scrapes_often)),
+    "scrape.max_bytes": (1024, WithEngine(_reads_a_page_of_2_kb)),
     "scrape.timeout": (0.05, WithEngine(lambda r, e: _slow_engine_given_up(r, e, r.scraper.scrape_all))),
     "scrape.stale_after": (1.0, lambda r: _engine_metrics(r, EngineLoad(running=1), age=2.0)),
     "scrape.acceptance_max_age": (10.0, lambda r: _engine_metrics(r, EngineLoad(acceptance=0.7), age=20.0)),

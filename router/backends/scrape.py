@@ -223,7 +223,9 @@ class EngineScraper:
     async def _read(self, backend: Backend) -> dict[str, list[float]]:
         config = self._config
         async with asyncio.timeout(config.timeout):
-            status, body = await self._transport.get(backend.url + "/metrics", headers=backend.auth_headers)
+            status, body = await self._transport.get(
+                backend.url + "/metrics", headers=backend.auth_headers, limit=config.max_bytes
+            )
         if status != 200:
             raise ValueError(f"/metrics answered {status}")
         return parse(body.decode("utf-8", "replace"))

@@ -171,6 +171,12 @@ class Scrape(Section):
 
     interval: float = Field(default=1.0, gt=0, description="Seconds between reads of each engine's `/metrics`.")
     timeout: float = Field(default=0.5, gt=0, description="Seconds a read may take.")
+    max_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=1024,
+        description="Bytes of a `/metrics` page read; a larger one fails the scrape, read no further (a vLLM 0.32 "
+        "page is some 55 KB).",
+    )
     stale_after: float = Field(
         default=5.0,
         gt=0,

@@ -21,6 +21,8 @@ from typing import Protocol
 
 from router.config import Tls
 
+GET_LIMIT = 64 * 1024 * 1024  # bytes of a GET's body read, unless its caller says less
+
 
 def tls_context(config: Tls) -> ssl.SSLContext:
     """How engines served over https are checked (`tls` settings; ssl.SSLError if a file is not a
@@ -130,9 +132,11 @@ class Transport(Protocol):
         the answer must echo, if it echoes one."""
         ...
 
-    async def get(self, url: str, *, headers: Sequence[tuple[str, str]] = ()) -> tuple[int, bytes]:
-        """A small GET (health, metrics, models): its status and whole body. The caller bounds
-        its time (`asyncio.timeout`)."""
+    async def get(
+        self, url: str, *, headers: Sequence[tuple[str, str]] = (), limit: int = GET_LIMIT
+    ) -> tuple[int, bytes]:
+        """A small GET (health, metrics, models): its status and whole body, TooLarge past
+        `limit` bytes. The caller bounds its time (`asyncio.timeout`)."""
         ...
 
     tls: ssl.SSLContext

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from router.transport.base import (
+    GET_LIMIT,
     HeadLimits,
     NotSent,
     RemoteProtocolError,
@@ -91,7 +92,9 @@ class EngineClient:
             raise
         return response
 
-    async def get(self, url: str, *, headers: Sequence[tuple[str, str]] = ()) -> tuple[int, bytes]:
+    async def get(
+        self, url: str, *, headers: Sequence[tuple[str, str]] = (), limit: int = GET_LIMIT
+    ) -> tuple[int, bytes]:
         """With an `X-Request-Id` of its own, like a proxied request: an engine that echoes it
         sends it with a copy of this answer sent unasked later, so the request that such a copy
         lands on sees that it is not its answer. A GET is idempotent: one that fails on the
@@ -101,11 +104,13 @@ class EngineClient:
         base = f"{parts.scheme}://{parts.netloc}"
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         try:
-            return await self._get_once(base, target, headers)
+            return await self._get_once(base, target, headers, limit)
         except (NotSent, RemoteProtocolError):  # WrongAnswer among them
-            return await self._get_once(base, target, headers)
+            return await self._get_once(base, target, headers, limit)
 
-    async def _get_once(self, base: str, target: str, headers: Sequence[tuple[str, str]]) -> tuple[int, bytes]:
+    async def _get_once(
+        self, base: str, target: str, headers: Sequence[tuple[str, str]], limit: int
+    ) -> tuple[int, bytes]:
         response = await self.request(
             base,
             target,
@@ -115,7 +120,7 @@ class EngineClient:
             limits=_PROBE_LIMITS,
         )
         try:
-            return response.status, await response.read(limit=64 * 1024 * 1024)
+            return response.status, await response.read(limit=limit)
         finally:
             await response.aclose()
 

@@ -7,12 +7,14 @@ import json
 import math
 import ssl
 import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from router.backends.pools import Pools
@@ -23,7 +25,7 @@ from router.sim.profile import load_profile
 from router.sim.server import create_sim_app
 from router.transport import EngineClient, HeadLimits, Timeouts
 from tests.servers import ServerThread
-from tests.wait import until
+from tests.wait import until, wait_until
 
 # As vLLM's V1 engine writes it (two data-parallel engines), trimmed to the families we read plus
 # neighbours that must be ignored.
@@ -345,3 +347,66 @@ def test_the_capacity_an_engine_states_is_read_from_cache_config_info() -> None:
     assert engine_load(parse(without), None, now=1.0).max_concurrency == 2.0
     assert engine_load(parse(_vllm(1, 1, 1)), None, now=1.0).max_concurrency is None
     assert engine_load(parse(SGLANG), None, now=1.0).max_concurrency is None  # SGLang states none
+
+
+def _socket_buffers() -> int:
+    """The most the kernel buffers on a TCP connection, both ends: what an engine may have
+    written past what the router read."""
+    return sum(int(Path(f"/proc/sys/net/ipv4/tcp_{side}").read_text().split()[2]) for side in ("wmem", "rmem"))
+
+
+@pytest.mark.e2e  # an engine served on loopback
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "endless"])
+def test_a_page_past_scrape_max_bytes_fails_the_scrape_read_no_further(declared: bool) -> None:
+    """Pass: a page over `scrape.max_bytes` (4 MiB) is a failed scrape: refused on its declared
+    length before a byte of it is read, or read no further than the limit when it never ends.
+    Read up to the 64 MiB of any GET before, a page of lines the scrape does not read cost 0.25 s
+    of the event loop each scrape to decode and split."""
+    limit, padding = Scrape().max_bytes, b"# " + b"x" * 61 + b"\n"
+    page = {"running": 3, "size": 0}  # size: the page's bytes before its last line (0: no padding)
+    streamed = {"bytes": 0, "ended": False}
+
+    def good(running: int) -> bytes:
+        return b"vllm:num_requests_running %d\n" % running
+
+    async def endless(request: Request) -> AsyncIterator[bytes]:
+        while not await request.is_disconnected():
+            streamed["bytes"] += len(padding) * 1024
+            yield padding * 1024
+        streamed["ended"] = True
+
+    async def metrics(request: Request) -> Response:
+        if not page["size"]:
+            return Response(good(page["running"]))
+        if not declared:
+            return StreamingResponse(endless(request))
+        return Response(padding * (page["size"] // len(padding)) + good(page["running"]))
+
+    with ServerThread(Starlette(routes=[Route("/metrics", metrics)])) as engine:
+        pools = _pools_in_front_of(engine.url)
+        clock = ManualClock()
+        view = pools["fast"].backends[0].engine
+
+        async def scenario() -> None:
+            upstream, scraper = _scraper(pools, clock, Scrape(interval=1, timeout=30, stale_after=5))
+            try:
+                await scraper.scrape_all()
+                assert view.reading.running == 3
+                if declared:  # a page of the limit is read
+                    page.update(running=4, size=limit - 64)
+                    await scraper.scrape_all()
+                    assert view.reading.running == 4 and len(padding * (page["size"] // 64) + good(4)) <= limit
+                page.update(running=5, size=limit + 64)
+                clock.advance(6)
+                await scraper.scrape_all()
+                assert view.stale and view.reading.running == (4 if declared else 3)  # failed: stale
+                page.update(running=6, size=0)
+                await scraper.scrape_all()
+                assert not view.stale and view.reading.running == 6
+            finally:
+                await upstream.aclose()
+
+        asyncio.run(scenario())
+        if not declared:
+            wait_until(lambda: streamed["ended"], message="the endless page's connection closed")
+            assert limit < streamed["bytes"] <= limit + _socket_buffers() + 1024 * 1024
