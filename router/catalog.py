@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 from router.backends.backend import Backend
 from router.backends.pools import Pools
 from router.clock import Clock
+from router.logs import Unforeseen
 from router.transport import Transport, TransportError
 
 # How often the background refresh asks the backends; a model added to an engine is counted
 # under its own name from then on (before that, as `other`).
 REFRESH_SECONDS = 30.0
+
+logger = logging.getLogger("specroute")
 
 
 class ModelCatalog:
@@ -30,6 +34,7 @@ class ModelCatalog:
         self._clock = clock
         self._lock = asyncio.Lock()
         self.known: frozenset[str] = frozenset()  # model ids seen since start (never shrinks; capped)
+        self._unforeseen = Unforeseen(logger)
         self.configure(ttl=0.0, timeout=1.0)
 
     def configure(self, *, ttl: float, timeout: float) -> None:
@@ -53,7 +58,10 @@ class ModelCatalog:
         """Learn the model names every `interval` (the first time is at start-up, in router.app)."""
         while True:
             await asyncio.sleep(interval)
-            await self.learn_names()
+            try:
+                await self.learn_names()
+            except Exception as exc:  # a bug of ours: never the end of the names learned
+                self._unforeseen.log(exc, "learning the model names failed")
 
     async def learn_names(self) -> None:
         """Ask the backends for their models, for the names only (clients' list keeps its cache)."""
@@ -80,8 +88,13 @@ class ModelCatalog:
             async with asyncio.timeout(self._timeout):
                 status, body = await self._transport.get(backend.url + "/v1/models", headers=backend.auth_headers)
             data = json.loads(body).get("data", []) if status == 200 else []
-        except (TransportError, TimeoutError, ValueError, AttributeError):
-            return []  # an unreachable backend contributes nothing; /readyz reports it
+        except (TransportError, TimeoutError, ValueError, AttributeError, RecursionError):
+            # An unreachable backend contributes nothing (nor one whose JSON is nested past what
+            # the parser recurses into); /readyz reports it.
+            return []
+        except Exception as exc:  # a library's or ours, an answer no check foresaw
+            self._unforeseen.log(exc, "backend %s (pool %s): its model list failed", backend.name, backend.pool)
+            return []
         if not isinstance(data, list):
             return []  # nor does one whose answer is no list of models, e.g. {"data": 5}
         return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

@@ -79,7 +79,7 @@ class FakeEngine:
     metrics_served: int = 0
     chaos: Chaos | None = None  # draw a fault per request
     record: bool = True  # keep every request in `requests` (a soak counts them in `stats` only)
-    models_answer: Any = None  # answer /v1/models with this JSON instead of the model list
+    models_answer: Any = None  # answer /v1/models with this JSON (bytes: these) instead of the model list
     stats: Counter[str] = field(default_factory=Counter)  # requests, faults drawn, aborted
     echo_request_id: bool = True
     name: str = ""  # in the ids of its stored responses (`resp-<name><n>`), to tell engines apart
@@ -157,6 +157,8 @@ class FakeEngine:
     async def _models(self, request: Request) -> Response:
         await asyncio.sleep(self.probe_delay)
         self.models_served += 1
+        if isinstance(self.models_answer, bytes):
+            return Response(self.models_answer, media_type="application/json")
         if self.models_answer is not None:
             return JSONResponse(self.models_answer)
         return JSONResponse(

@@ -3,10 +3,17 @@ values the metrics' `model` label may take) stay bounded; the clients' list is t
 
 from __future__ import annotations
 
+import tempfile
+
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
-from tests.conftest import running_cluster
+from router.app import create_app
+from router.config import Settings
+from tests.conftest import running_cluster, settings_data
+from tests.fake_engine import FakeEngine
+from tests.servers import ServerThread
 
 pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
 
@@ -30,3 +37,29 @@ def test_an_engine_answering_new_model_names_each_time_is_bounded() -> None:
         found = httpx.get(cluster.base_url + "/models/m-2399", timeout=30)
         assert found.status_code == 200 and found.json()["id"] == "m-2399"
         assert router.metrics.model("m-2399") == "other"
+
+
+NESTED = b'{"data": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # past Python's JSON parser
+
+
+def test_an_engine_listing_models_nested_past_the_json_parser_lists_none() -> None:
+    # The parser raises RecursionError some 1,000 levels deep: it failed every client's
+    # `/v1/models` with a 500, and ended the background refresh of the names for good.
+    with running_cluster(models_cache_seconds=0) as cluster:
+        cluster.fast.models_answer = NESTED
+        listed = httpx.get(cluster.base_url + "/models", timeout=30)
+        assert listed.status_code == 200, listed.text
+        assert [m["id"] for m in listed.json()["data"]] == ["test-model"]  # the other engine's
+
+
+def test_a_router_starts_in_front_of_an_engine_listing_models_nested_past_the_parser() -> None:
+    # The names are learned at start-up: the RecursionError failed the router's start.
+    with (
+        tempfile.TemporaryDirectory() as store,
+        ServerThread(FakeEngine(models_answer=NESTED).app()) as fast,
+        ServerThread(FakeEngine().app()) as team,
+    ):
+        settings = Settings(**settings_data(fast.url, team.url, batch={"store_dir": store}))
+        app = create_app(settings, registry=CollectorRegistry())
+        with ServerThread(app, fast=True) as router:
+            assert httpx.get(router.url + "/readyz", timeout=30).status_code == 200

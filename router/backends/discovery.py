@@ -32,6 +32,7 @@ from router.config import Discovery as DiscoveryConfig
 from router.config import Health
 from router.config import Pool as PoolConfig
 from router.content import ContentKind
+from router.logs import Unforeseen
 from router.metrics import Metrics
 from router.routing.learn import SpeedModel
 
@@ -145,6 +146,7 @@ class Discovery:
         self.resolver: Resolver = SystemResolver()
         self._names: list[_Name] = []
         self._failing: set[tuple[str, str]] = set()  # names whose failure is logged already
+        self._unforeseen = Unforeseen(logger)
         self._refusing: dict[tuple[str, str], Counter[str]] = {}  # what each name's answer last refused
         self._removed: list[str] = []  # to forget at the next refresh
         self._wake = asyncio.Event()
@@ -178,7 +180,10 @@ class Discovery:
                 async with asyncio.timeout(self.config.interval):
                     await self._wake.wait()
             self._wake.clear()
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception as exc:  # a bug of ours: never the end of every name's resolving
+                self._unforeseen.log(exc, "discovery failed")
 
     async def refresh(self) -> None:
         """Resolve every name once and bring its pool's backends in line with the answers."""
@@ -205,7 +210,9 @@ class Discovery:
                     answer = await self.resolver.services(name.host)
                 else:
                     answer = await self.resolver.addresses(name.host, urlsplit(name.config.url).port or 80)
-        except (ResolveError, TimeoutError, OSError) as exc:
+        except Exception as exc:
+            if not isinstance(exc, (ResolveError, TimeoutError, OSError)):  # a resolver's bug, or ours
+                self._unforeseen.log(exc, "backend %s (pool %s): resolving %s failed", name.name, name.pool, name.host)
             answers.labels(name.pool, name.name, "failed").inc()
             if key not in self._failing:
                 self._failing.add(key)

@@ -14,6 +14,7 @@ from router.backends.backend import Backend
 from router.backends.pools import Pools
 from router.clock import Clock
 from router.config import Health
+from router.logs import Unforeseen
 from router.transport import TlsError, Transport, TransportError
 
 logger = logging.getLogger("specroute")
@@ -26,6 +27,7 @@ class HealthChecker:
         self._clock = clock
         self._config = Health()
         self._tls_failing: set[str] = set()  # backends whose TLS failure is logged already
+        self._unforeseen = Unforeseen(logger)
 
     def configure(self, config: Health) -> None:
         self._config = config
@@ -33,7 +35,10 @@ class HealthChecker:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self._config.interval)
-            await self.check_all()
+            try:
+                await self.check_all()
+            except Exception as exc:  # a bug of ours: never the end of every backend's checks
+                self._unforeseen.log(exc, "health checks failed")
 
     async def check_all(self, *, first: bool = False) -> None:
         """Probe every backend; `first` (at start-up) takes each result at once."""
@@ -58,6 +63,9 @@ class HealthChecker:
                 logger.warning("backend %r fails its health check: %s", backend.name, exc)
         except (TransportError, TimeoutError):
             ok = False
+        except Exception as exc:  # a library's or ours, an answer no check foresaw: a failed probe
+            ok = False
+            self._unforeseen.log(exc, "backend %s (pool %s): a health check failed", backend.name, backend.pool)
         else:
             self._tls_failing.discard(backend.name)
         backend.outlier.probed(self._clock.now(), ok, first=first)
