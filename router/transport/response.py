@@ -2,8 +2,11 @@
 request path (router.transport.base.Response).
 
 Body pieces are kept as llhttp handed them over, decoded from any content coding; past
-`_BUFFERED` bytes not yet taken, the connection stops reading until they are. Once the response
-has ended the connection is no longer this response's: nothing here touches it again.
+`_BUFFERED` bytes not yet taken, the connection stops reading until they are. A compressed body
+is inflated `_BUFFERED` bytes at a time, one a turn of the event loop, while the reader keeps up:
+what a thousandfold expansion (a gzip bomb) would make waits compressed, the connection with it.
+Once the response has ended the connection is no longer this response's: nothing here touches
+it again.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ class EngineResponse:
         self._sink: Callable[[bytes], None] | None = None  # while `stream_to` runs
         self._read: Callable[[], None] | None = None  # told after each read, while `stream_to` runs
         self._decoder: zlib._Decompress | None = None
+        self._compressed = b""  # received, not yet inflated
+        self._ending = False  # the body has ended, but not yet all that was compressed in it
+        self._paused = False  # by the reader (`pause_reading`)
+        self._inflating = False  # the next piece's inflating is due at the loop's next turn
         self._aclosed = False
 
     async def started(self) -> None:
@@ -60,15 +67,13 @@ class EngineResponse:
         self._started.set_result(None)
 
     def piece(self, data: bytes) -> None:
-        if self._decoder is not None:
-            try:
-                data = self._decoder.decompress(data)
-            except zlib.error as exc:
-                self._drop_connection()
-                self.failed(RemoteProtocolError(f"the engine's compressed body is corrupt: {exc}"))
-                return
-            if not data:
-                return
+        if self._decoder is None:
+            self._deliver(data)
+        else:  # more may come in the read that paused the connection
+            self._compressed = self._compressed + data if self._compressed else data
+            self._inflate()
+
+    def _deliver(self, data: bytes) -> None:
         if self._sink is not None:
             try:
                 self._sink(data)
@@ -83,16 +88,66 @@ class EngineResponse:
         if self._size > _BUFFERED and self._connection is not None:
             self._connection.pause()
 
+    def _inflate(self) -> None:
+        """One piece of what is compressed (`_BUFFERED` bytes of output) if the reader keeps up,
+        a sink's written out at once; the next at the event loop's next turn, once what this one
+        set off (the writes, the client's flow control) has run. The connection waits meanwhile."""
+        assert self._decoder is not None
+        if self._compressed and self._keeping_up():
+            try:
+                data = self._decoder.decompress(self._compressed, _BUFFERED)
+            except zlib.error as exc:
+                self._drop_connection()
+                self.failed(RemoteProtocolError(f"the engine's compressed body is corrupt: {exc}"))
+                return
+            self._compressed = self._decoder.unconsumed_tail
+            if data:
+                self._deliver(data)
+                if self._compressed and self._read is not None and not self._done:
+                    self._read()
+        if self._compressed:
+            if self._connection is not None:
+                self._connection.pause()
+            if self._keeping_up() and not self._inflating:
+                self._inflating = True
+                asyncio.get_running_loop().call_soon(self._inflate_next)
+        elif self._ending:
+            self._end()
+        elif self._keeping_up() and self._connection is not None:
+            self._connection.resume()
+
+    def _inflate_next(self) -> None:
+        self._inflating = False
+        self._inflate()
+
+    def _keeping_up(self) -> bool:
+        return not self._done and not self._paused and self._size < _BUFFERED
+
+    def _more(self) -> None:
+        """The reader took what it had, or wants more."""
+        if self._decoder is not None:
+            self._inflate()
+        elif self._connection is not None:
+            self._connection.resume()
+
     def read_done(self) -> None:
         if self._read is not None and not self._done:  # the body's end is the caller's to pass on
             self._read()
 
     def end(self) -> None:
         self._connection = None
+        if self._compressed:  # the rest is inflated as the reader takes it
+            self._ending = True
+            return
+        self._end()
+
+    def _end(self) -> None:
+        self._ending = False
         if self._decoder is not None and (tail := self._decoder.flush()):
-            self._pieces.append(tail)
-        self._done = True
-        self._wake()
+            self._deliver(tail)
+        if not self._done:
+            self._done = True
+            self._wake()
 
     def failed(self, exc: Exception) -> None:
         self._connection = None
@@ -130,8 +185,7 @@ class EngineResponse:
                 data = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
                 pieces.clear()
                 self._size = 0
-                if self._connection is not None:
-                    self._connection.resume()
+                self._more()
                 yield data
             elif self._done:
                 if self._error is not None:
@@ -154,11 +208,10 @@ class EngineResponse:
         if not self._done:
             if read is not None:
                 read()
-            if self._connection is not None:
-                self._connection.resume()
             self._sink, self._read = sink, read
             self._waiter = asyncio.get_running_loop().create_future()
             try:
+                self._more()
                 await self._waiter
             finally:
                 self._sink = self._read = self._waiter = None
@@ -166,12 +219,13 @@ class EngineResponse:
             raise self._error
 
     def pause_reading(self) -> None:
+        self._paused = True
         if self._connection is not None:
             self._connection.pause()
 
     def resume_reading(self) -> None:
-        if self._connection is not None:
-            self._connection.resume()
+        self._paused = False
+        self._more()
 
     async def read(self, *, limit: int) -> bytes:
         declared = self.header(b"content-length")
