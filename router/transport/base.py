@@ -95,8 +95,8 @@ class Response(Protocol):
         """Each piece of the body to `sink` as it arrives, in the connection's callbacks (no task
         or future per piece); returns at the end, raises the failure or what `sink` raised.
         `read()` after the pieces already here and after each read of the engine's connection
-        that brought pieces, except the read that ends the body: what `sink` gathered from one
-        read may go on in one write."""
+        that brought pieces (or each piece inflated between reads), except the read that ends the
+        body: what `sink` gathered from one read may go on in one write."""
         ...
 
     def pause_reading(self) -> None:

@@ -118,15 +118,16 @@ class EngineResponse:
 
     def _inflate_next(self) -> None:
         self._inflating = False
-        self._inflate()
+        self._more()
 
     def _keeping_up(self) -> bool:
         return not self._done and not self._paused and self._size < _BUFFERED
 
     def _more(self) -> None:
-        """The reader took what it had, or wants more."""
+        """The reader took what it had, or wants more (outside the connection's reads)."""
         if self._decoder is not None:
             self._inflate()
+            self.read_done()  # what a sink gathered goes out now, not with the engine's next read
         elif self._connection is not None:
             self._connection.resume()
 

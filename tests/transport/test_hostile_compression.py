@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import tracemalloc
 import zlib
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
+import httpx
 import pytest
 
 from tests.raw_engine import Exchange, RawEngine, answer_normally
 from tests.transport.test_hostile_engine import MiB, assert_recovered, assert_upstream_failed, routed
+from tests.wait import TIMEOUT
 
 pytestmark = pytest.mark.e2e
 
@@ -113,4 +116,40 @@ def test_an_answer_whose_compression_breaks_midway_fails_after_what_came_before(
         assert streamed.startswith(EVENT) and streamed.count(b'"content": "a"') >= (MiB // len(EVENT)) // 2
         error = json.loads(streamed.rstrip().rsplit(b"data: ", 1)[1])["error"]  # OpenAI's shape
         assert error["code"] == "upstream_failed", error
+        assert_recovered(router)
+
+
+def test_a_compressed_read_that_inflates_past_a_piece_reaches_the_client_whole_while_the_engine_waits() -> None:
+    # One read inflates to more than a piece; its last piece, inflated at a later turn of the event
+    # loop, goes out then, not with the engine's next read (which here comes only once it is seen).
+    marker = b'data: {"choices": [{"index": 0, "delta": {"content": "last"}}]}\n\n'
+    packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    first = packer.compress(EVENT * (300 * 1024 // len(EVENT)) + marker) + packer.flush(zlib.Z_SYNC_FLUSH)
+    rest = packer.compress(b"data: [DONE]\n\n") + packer.flush()
+    seen = threading.Event()
+
+    async def answer(exchange: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if exchange.index > 0:
+            return await answer_normally(exchange, reader, writer)
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\n"
+        writer.write(head + b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(first), first))
+        await writer.drain()
+        await asyncio.get_running_loop().run_in_executor(None, seen.wait, 2 * TIMEOUT)
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(rest), rest))
+        return True
+
+    streamed = b""
+    with RawEngine(answer) as engine, routed(engine.url) as router:
+        request = {"model": "test-model", "messages": [{"role": "user", "content": "held"}], "stream": True}
+        with router.client.stream("POST", "/chat/completions", json=request, timeout=TIMEOUT) as reply:
+            chunks = reply.iter_raw()
+            try:
+                while marker not in streamed:
+                    streamed += next(chunks)
+            except httpx.ReadTimeout:
+                raise AssertionError(f"not within {TIMEOUT:g} s: the last piece ({len(streamed)} bytes)") from None
+            finally:
+                seen.set()
+            streamed += b"".join(chunks)
+        assert streamed.endswith(marker + b"data: [DONE]\n\n")
         assert_recovered(router)
