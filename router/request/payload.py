@@ -8,8 +8,9 @@ is 408, and a client that hangs up raises `ClientGone`.
 Python's JSON parser recurses once per level of nesting; a body nested ~1,000 deep makes it raise
 RecursionError (a 500, had it not been caught). Any body nested deeper than `limits.json_depth`
 is the client's error, 400 `invalid_json`, like a body that is not JSON at all. So is a string
-with a lone UTF-16 surrogate (`"\\ud800"`): Python's parser takes it, but it is no text, and
-every later `.encode()` of it (a hash, a log line, the body sent on) would raise.
+with a lone UTF-16 surrogate (`"\\ud800"`, or its three bytes, which no UTF-8 has): Python's
+parser takes it, but it is no text, and every later `.encode()` of it (a hash, a log line, the
+body sent on) would raise.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from starlette.types import Receive
 
 from router.errors import BadRequest, PayloadTooLarge, RequestTimeout
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: one half of a pair, or alone
+# \ud800-\udfff, one half of a pair or alone, escaped or encoded (json.loads decodes surrogatepass)
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 class ClientGone(Exception):
@@ -104,8 +106,8 @@ def parse_json(body: bytes, *, max_depth: int) -> Any:
     # Only a body with more than max_depth brackets can be that deep: most never need the walk.
     if body.count(b"[") + body.count(b"{") > max_depth and _deeper_than(value, max_depth):
         raise _too_deep(max_depth)
-    # Only a body with such an escape can hold a lone surrogate: most never need the check.
-    if _SURROGATE_ESCAPE.search(body) and not _is_text(value):
+    # Only a body with such an escape or bytes can hold a lone surrogate: most never need the check.
+    if _SURROGATE.search(body) and not _is_text(value):
         raise BadRequest("request body is not valid JSON: a string holds a lone UTF-16 surrogate", code="invalid_json")
     return value
 

@@ -1,7 +1,7 @@
-"""Hostile bodies on raw sockets: strings that are not text (a lone UTF-16 surrogate, `\\ud800`,
-which Python's JSON parser takes) in every field the router reads or hashes. Each is the
-client's error, 400 `invalid_json` in OpenAI's shape; nothing reaches an engine, nothing is
-logged as a failure of the router, and the next client is served.
+"""Hostile bodies on raw sockets: strings that are not text (a lone UTF-16 surrogate, `\\ud800`
+or its three bytes, which Python's JSON parser takes) in every field the router reads or hashes.
+Each is the client's error, 400 `invalid_json` in OpenAI's shape; nothing reaches an engine,
+nothing is logged as a failure of the router, and the next client is served.
 """
 
 from __future__ import annotations
@@ -63,8 +63,11 @@ def _exchange(port: int, data: bytes) -> tuple[int, bytes]:
         ),
         ("/v1/responses", b'{"model": "test-model", "previous_response_id": "\\udfff", "input": "hi"}'),
         ("/v1/completions", b'{"model": "test-model", "prompt": "a", "\\ud800": 1}'),  # a key
+        # Not escaped but encoded: bytes no UTF-8 has, which Python's parser decodes to a surrogate.
+        ("/v1/chat/completions", b'{"model": "test-model", "user": "\xed\xb2\x80x", "messages": ' + HI + b"}"),
+        ("/v1/completions", b'{"model": "test-model", "prompt": "\xed\xa0\xbd\xed\xb8\x80"}'),  # a pair
     ],
-    ids=["model", "user", "prompt", "previous-response", "responses-previous", "key"],
+    ids=["model", "user", "prompt", "previous-response", "responses-previous", "key", "raw-user", "raw-pair"],
 )
 def test_a_lone_surrogate_is_the_clients_error(path: str, body: bytes, caplog: pytest.LogCaptureFixture) -> None:
     with (
