@@ -128,7 +128,7 @@ class EngineResponse:
         if self._decoder is not None:
             self._inflate()
             self.read_done()  # what a sink gathered goes out now, not with the engine's next read
-        elif self._connection is not None:
+        elif self._connection is not None and not self._paused:
             self._connection.resume()
 
     def read_done(self) -> None:
