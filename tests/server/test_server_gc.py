@@ -19,6 +19,7 @@ from router.server.server import RouterServer
 from tests.conftest import settings_data
 from tests.fake_engine import FakeEngine
 from tests.servers import ServerThread
+from tests.wait import until
 
 pytestmark = pytest.mark.e2e  # the router served on loopback in front of a fake engine
 
@@ -28,9 +29,8 @@ async def _serve_and_stop(engine_url: str, store: Path) -> weakref.ref[Starlette
     config = uvicorn_config(app, app.state.router.settings, host="127.0.0.1", port=0, log_level="warning")
     server = RouterServer(config)
     serving = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not serving.done(), serving.exception()
-        await asyncio.sleep(0.01)
+    await until(lambda: server.started or serving.done(), message="the router started")
+    assert server.started, serving.exception()
     server.should_exit = True
     await serving
     return weakref.ref(app)
