@@ -4,10 +4,11 @@
 A chat or an agent sends its whole conversation each turn: tens of kilobytes before the question.
 One mock engine (scripts/peers_engine.py) and, in front of it, two routers (`specroute serve`, one
 pool, one backend): the build before a change and the one after. Streamed requests of 4 tokens
-with a prompt of `--chars` characters go one at a time, in turn direct, through one router and
-through the other (the order alternating), each on a kept-alive connection. Each router's CPU
-(user + system, from /proc, summed over its own requests) per request, and the time to the first
-byte of the answer: its median, and what the router adds over going direct.
+with a prompt of `--chars` characters go one at a time, in blocks of 50, in turn direct, through
+one router and through the other (the order alternating), each on a kept-alive connection. Each
+router's CPU (every thread's, from /proc's schedstat, summed over its own blocks) per request,
+and the time to the first byte of the answer: its median, and what the router adds over going
+direct.
 
     python scripts/bench_long_prompt.py --before OLD/.venv/bin/specroute --after .venv/bin/specroute \
         [--chars 100000 --requests 300]
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -28,10 +28,14 @@ from pathlib import Path
 
 from loopback import free_port, wait_until_up
 
+_BLOCK = 50  # requests in a row to one target: its CPU is read before and after them
+
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of every thread of `pid`, to the nanosecond (/proc's schedstat; its stat counts
+    10 ms ticks, as much as a request of this benchmark costs)."""
+    threads = Path(f"/proc/{pid}/task").iterdir()
+    return sum(int((thread / "schedstat").read_text().split()[0]) for thread in threads) / 1e9
 
 
 def _first_byte(connection: http.client.HTTPConnection, body: bytes) -> float:
@@ -85,10 +89,10 @@ def main() -> None:
                     _first_byte(connection, body)
             firsts: dict[str, list[float]] = {name: [] for name in connections}
             cpu = dict.fromkeys(pids, 0.0)
-            for number in range(args.requests):
-                for name in ("direct", "before", "after") if number % 2 else ("direct", "after", "before"):
+            for block in range(args.requests // _BLOCK):
+                for name in ("direct", "before", "after") if block % 2 else ("direct", "after", "before"):
                     used = _cpu_seconds(pids[name]) if name in pids else 0.0
-                    firsts[name].append(_first_byte(connections[name], body))
+                    firsts[name] += [_first_byte(connections[name], body) for _ in range(_BLOCK)]
                     if name in pids:
                         cpu[name] += _cpu_seconds(pids[name]) - used
         finally:
@@ -97,13 +101,14 @@ def main() -> None:
                 process.wait()
 
     direct = statistics.median(firsts["direct"])
-    print(f"prompt {args.chars} characters (body {len(body)} bytes), {args.requests} requests per target")
+    requests = args.requests // _BLOCK * _BLOCK
+    print(f"prompt {args.chars} characters (body {len(body)} bytes), {requests} requests per target")
     print("| target | router CPU per request | first byte p50 | added over direct |")
     print("|---|---|---|---|")
     print(f"| direct | - | {direct * 1000:.3f} ms | - |")
     for name in pids:
         first = statistics.median(firsts[name])
-        per_request = cpu[name] / args.requests * 1000
+        per_request = cpu[name] / requests * 1000
         print(f"| {name} | {per_request:.3f} ms | {first * 1000:.3f} ms | +{(first - direct) * 1000:.3f} ms |")
 
 
