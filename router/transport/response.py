@@ -43,6 +43,7 @@ class EngineResponse:
         self._read: Callable[[], None] | None = None  # told after each read, while `stream_to` runs
         self._decoder: zlib._Decompress | None = None
         self._compressed = b""  # received, not yet inflated
+        self._full = False  # the last piece inflated filled `_BUFFERED`: zlib may hold more of it
         self._ending = False  # the body has ended, but not yet all that was compressed in it
         self._paused = False  # by the reader (`pause_reading`)
         self._inflating = False  # the next piece's inflating is due at the loop's next turn
@@ -93,7 +94,7 @@ class EngineResponse:
         a sink's written out at once; the next at the event loop's next turn, once what this one
         set off (the writes, the client's flow control) has run. The connection waits meanwhile."""
         assert self._decoder is not None
-        if self._compressed and self._keeping_up():
+        if self._to_inflate() and self._keeping_up():
             try:
                 data = self._decoder.decompress(self._compressed, _BUFFERED)
             except zlib.error as exc:
@@ -101,11 +102,12 @@ class EngineResponse:
                 self.failed(RemoteProtocolError(f"the engine's compressed body is corrupt: {exc}"))
                 return
             self._compressed = self._decoder.unconsumed_tail
+            self._full = len(data) == _BUFFERED
             if data:
                 self._deliver(data)
-                if self._compressed and self._read is not None and not self._done:
+                if self._to_inflate() and self._read is not None and not self._done:
                     self._read()
-        if self._compressed:
+        if self._to_inflate():
             if self._connection is not None:
                 self._connection.pause()
             if self._keeping_up() and not self._inflating:
@@ -119,6 +121,11 @@ class EngineResponse:
     def _inflate_next(self) -> None:
         self._inflating = False
         self._more()
+
+    def _to_inflate(self) -> bool:
+        """Compressed bytes wait, or output of those inflated last (the rest of a back-reference
+        the output's limit cut, with every input byte read)."""
+        return bool(self._compressed) or self._full
 
     def _keeping_up(self) -> bool:
         return not self._done and not self._paused and self._size < _BUFFERED
@@ -137,7 +144,7 @@ class EngineResponse:
 
     def end(self) -> None:
         self._connection = None
-        if self._compressed:  # the rest is inflated as the reader takes it
+        if self._decoder is not None and self._to_inflate():  # the rest, as the reader takes it
             self._ending = True
             return
         self._end()
