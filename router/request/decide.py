@@ -144,7 +144,7 @@ def upstream_body(incoming: Incoming, *, rewrite_model: str | None) -> tuple[byt
             # client, not asking for that, would get none from the engine, so none through here.
             changes["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": False}
             drop_usage_chunk = True
-    if not changes:
+    if not changes or not incoming.payload:  # nothing to change, or a body not read (an upload): as it came
         return incoming.body, False
     appended = with_appended(incoming.body, changes) if changes.keys().isdisjoint(incoming.payload) else None
     if appended is not None:

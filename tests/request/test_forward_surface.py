@@ -92,6 +92,20 @@ def test_an_audio_upload_is_forwarded_byte_for_byte(cluster: Cluster) -> None:
     assert answer.text == f"{len(seen.raw)} bytes heard"
 
 
+def test_an_upload_a_rule_rewrites_the_model_of_goes_as_it_came(make_cluster: MakeCluster) -> None:
+    # The router reads no multipart body: a rule's `rewrite_model` cannot reach inside one, and
+    # must not replace it (it once went as `{"model": ...}` alone).
+    rules = [{"name": "etl", "job": "batch", "match": {"api_key": "etl-key"}, "rewrite_model": MODEL}]
+    audio = bytes(range(256)) * 40
+    with make_cluster(classify={"rules": rules}) as cluster:
+        client = cluster.client("etl-key", timeout=30)
+        raw = client.audio.transcriptions.with_raw_response.create(model="other", file=("a.wav", audio, "audio/wav"))
+        assert raw.headers["x-route-reason"] == "rule:etl"
+        (seen,) = [*cluster.fast.requests, *cluster.team.requests]
+        assert audio in seen.raw and b'name="model"\r\n\r\nother\r\n' in seen.raw
+        assert raw.parse().text == f"{len(seen.raw)} bytes heard"
+
+
 def _multipart(payload: bytes) -> bytes:
     return (
         (
