@@ -45,7 +45,9 @@ class RouterServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.router.begin_shutdown()
         self.config.timeout_graceful_shutdown = round(self.router.grace_seconds + _BACKSTOP_SECONDS)
-        await super().shutdown(sockets)
-        # Back in the collector's reach: in a process that goes on (a test run, a router served
-        # twice) what it built is collected, and what else was alive at the freeze.
-        gc.unfreeze()
+        try:
+            await super().shutdown(sockets)
+        finally:
+            # Back in the collector's reach: in a process that goes on (a test run, a router
+            # served twice) what it built is collected, and what else was alive at the freeze.
+            gc.unfreeze()

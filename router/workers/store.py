@@ -36,7 +36,7 @@ async def serve_figures(path: str, figures: Figures) -> asyncio.Server:
         try:
             while line := await reader.readline():
                 writer.write(_answer(figures, worker, json.loads(line)))
-        except (ConnectionError, ValueError, KeyError, TypeError, asyncio.LimitOverrunError) as exc:
+        except (ConnectionError, ValueError, KeyError, TypeError, RecursionError, asyncio.LimitOverrunError) as exc:
             logger.error("shared figures: a worker's call failed, its connection is closed: %r", exc)
         finally:
             figures.leave(worker)

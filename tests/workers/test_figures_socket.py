@@ -65,3 +65,16 @@ async def test_a_call_of_counts_that_are_no_counts_leaves_the_other_worker_serve
     finally:
         buggy[1].close()
         await other.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_call_nested_past_the_parsers_depth_is_refused_and_said_as_any_other(
+    socket_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    buggy = await asyncio.open_unix_connection(socket_path)
+    try:
+        assert await _call(*buggy, b"[" * 200_000 + b"]" * 200_000) == b""
+    finally:
+        buggy[1].close()
+    refused = [r for r in caplog.records if r.name == "specroute.workers" and "RecursionError" in r.getMessage()]
+    assert len(refused) == 1, caplog.text[-500:]
