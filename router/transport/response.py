@@ -105,8 +105,8 @@ class EngineResponse:
             self._full = len(data) == _BUFFERED
             if data:
                 self._deliver(data)
-                if self._to_inflate() and self._read is not None and not self._done:
-                    self._read()
+                if self._read is not None and not self._done:
+                    self._read()  # a sink's piece goes out now: the client's flow control hears of it
         if self._to_inflate():
             if self._connection is not None:
                 self._connection.pause()
@@ -134,7 +134,6 @@ class EngineResponse:
         """The reader took what it had, or wants more (outside the connection's reads)."""
         if self._decoder is not None:
             self._inflate()
-            self.read_done()  # what a sink gathered goes out now, not with the engine's next read
         elif self._connection is not None and not self._paused:
             self._connection.resume()
 
