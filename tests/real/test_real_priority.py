@@ -5,7 +5,9 @@ The engine's 4,096-token KV cache holds two of the batch job's 1,500-token reque
 wait inside the engine, without a first token. An interactive request sent then (priority 0
 against the batch job's 100 and up) must get its first token before all but three of the batch
 requests waiting ahead of it (those the engine had started when it arrived may come first); in
-arrival order (`fcfs`) it would get it after all of them.
+arrival order (`fcfs`) it would get it after all of them. The job lasts ten of the engine's
+pairs, so that a loaded machine, where the engine answers `/metrics` in seconds, still finds it
+queued.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from tests.real.engines import MODEL, wait_for
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 
-BATCH = 10  # batch requests: two run, eight wait inside the engine
+BATCH = 20  # batch requests: two run, eighteen wait inside the engine
 AHEAD = 3  # of those queued when the interactive request was sent, how many may rightly come first
 RUNNING = 2  # what the KV cache holds: once two have a first token, none is in its prefill
-PROMPT = "once upon a time " * 250  # 1,519 tokens: with its answer 14 of the KV cache's 32 blocks
+PROMPT = "once upon a time " * 250  # 1,519 tokens: with its answer 15 of the KV cache's 32 blocks
+ANSWER = 380  # tokens; the longer a pair runs, the wider the moments the test must catch
 
 
 def _stream(
@@ -79,7 +82,7 @@ def _round(router: RealCluster, cluster: RealCluster) -> Round:
         started.wait(timeout=60)
         content = f"{i}: {PROMPT}"
         _, prompt_tokens = _stream(
-            batch_clients[i], job="batch", content=content, max_tokens=150, on_first=partial(firsts.__setitem__, i)
+            batch_clients[i], job="batch", content=content, max_tokens=ANSWER, on_first=partial(firsts.__setitem__, i)
         )
         return prompt_tokens
 
