@@ -16,6 +16,10 @@ from typing import Any
 
 from router.config import Responses
 
+# The ids the router deals with: what engines make (vLLM's `resp_<hex>`, OpenAI's `resp_...`).
+# Any other is neither remembered (an engine's id of megabytes, `affinity_max` times) nor searched
+# for (router.responses.locate: a client's `../../health` would name something else in a probe's path).
+RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # /v1/responses/{id}, /v1/responses/{id}/input_items, /v1/responses/{id}/cancel
 _BY_ID = re.compile(r"^/v1/responses/([^/]+)(?:/[^/]+)?$")
 
@@ -54,7 +58,7 @@ class ResponseAffinity:
         return len(self._owners)
 
     def remember(self, response_id: str, backend: str, now: float) -> None:
-        if self._ttl <= 0 or self._max <= 0:
+        if self._ttl <= 0 or self._max <= 0 or RESPONSE_ID.fullmatch(response_id) is None:
             return
         self._owners[response_id] = (backend, now + self._ttl)
         self._owners.move_to_end(response_id)

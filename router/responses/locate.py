@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Literal
 
 from router.backends.backend import Backend
 from router.config import Responses
+from router.responses.affinity import RESPONSE_ID
 from router.transport import HeadLimits, Timeouts, Transport, TransportError
 
-# The ids searched for: what engines make (vLLM's `resp_<hex>`, OpenAI's `resp_...`). Any other
-# (a `previous_response_id` is any string the client sent: `../../health`, `a?b`) is not put in
-# a probe's path, where it could name something else.
-_SEARCHABLE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # Ids found nowhere that are remembered as such, at most (the oldest go first).
 _MISSES_MAX = 10_000
 # A probe's answer is read only to keep its connection; a larger one is closed instead.
@@ -43,11 +40,12 @@ Found = Literal["found", "missed", "cached_miss", "busy", "skipped"]
 class Locator:
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
-        # (id, credentials) -> until when it is a known miss: with the client's Authorization
-        # forwarded, an engine may answer 404 to one tenant for an id another tenant holds.
-        self._misses: OrderedDict[tuple[str, str], float] = OrderedDict()
-        # (id, credentials) -> the search under way: (the owner or None, whether all said 404)
-        self._searching: dict[tuple[str, str], asyncio.Future[tuple[str | None, bool]]] = {}
+        # (id, digest of the credentials) -> until when it is a known miss: with the client's
+        # Authorization forwarded, an engine may answer 404 to one tenant for an id another holds.
+        # A digest: an Authorization is any client's up to the request head's size.
+        self._misses: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        # (id, digest of the credentials) -> the search under way: (the owner or None, whether all said 404)
+        self._searching: dict[tuple[str, bytes], asyncio.Future[tuple[str | None, bool]]] = {}
         self.configure(Responses())
 
     def configure(self, config: Responses) -> None:
@@ -67,9 +65,9 @@ class Locator:
         """The name of the backend that holds `response_id`, if one of `backends` does, and how
         that was settled. `headers(backend)`: what the request itself would carry there; requests
         share a search only with those of the same `credentials` (the client's Authorization)."""
-        if self.timeout <= 0 or not backends or _SEARCHABLE.fullmatch(response_id) is None:
+        if self.timeout <= 0 or not backends or RESPONSE_ID.fullmatch(response_id) is None:
             return None, "skipped"
-        key = (response_id, credentials)
+        key = (response_id, hashlib.blake2b(credentials.encode(), digest_size=16).digest())
         until = self._misses.get(key)
         if until is not None:
             if until > now:
@@ -86,7 +84,7 @@ class Locator:
         owner, _ = await asyncio.shield(search)
         return owner, "found" if owner is not None else "missed"
 
-    def _searched(self, key: tuple[str, str], search: asyncio.Future[tuple[str | None, bool]], now: float) -> None:
+    def _searched(self, key: tuple[str, bytes], search: asyncio.Future[tuple[str | None, bool]], now: float) -> None:
         del self._searching[key]
         if not search.cancelled() and search.exception() is None:
             owner, nowhere = search.result()
@@ -132,7 +130,7 @@ class Locator:
             await asyncio.gather(*probes, return_exceptions=True)
         return None, absent == len(probes)
 
-    def _miss(self, key: tuple[str, str], now: float) -> None:
+    def _miss(self, key: tuple[str, bytes], now: float) -> None:
         if self.miss_seconds <= 0:
             return
         self._misses[key] = now + self.miss_seconds

@@ -47,3 +47,16 @@ def test_zero_remembers_nothing() -> None:
         owners.configure(config)
         owners.remember("r", "b", now=0)
         assert len(owners) == 0 and owners.owner("r", now=0) is None
+
+
+def test_an_id_no_engine_would_make_is_not_remembered() -> None:
+    # The id is the engine's to choose: a broken or hostile one may send megabytes of it, and
+    # `affinity_max` of those would hold gigabytes.
+    owners = ResponseAffinity()
+    owners.configure(Responses(affinity_seconds=60, affinity_max=100))
+    for hostile in ("r" * (1 << 20), "r" * 129, "resp/../../health", "résp-1", ""):
+        owners.remember(hostile, "b1", now=0)
+    assert len(owners) == 0
+    owners.remember("r" * 128, "b1", now=0)
+    owners.remember("resp_67ccd2bed1ec8190b14f964abc0542670bb6a6b452d3795b", "b2", now=0)
+    assert len(owners) == 2

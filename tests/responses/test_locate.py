@@ -8,6 +8,10 @@ as the client.
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import ssl
+import tracemalloc
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -20,7 +24,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from router.app import create_app
+from router.backends.backend import Backend
+from router.config import Backend as BackendConfig
 from router.config import Settings
+from router.responses.locate import Locator
+from router.transport import EngineClient
 from tests.conftest import _merge, settings_data
 from tests.fake_engine import FakeEngine
 from tests.servers import ServerThread
@@ -185,3 +193,39 @@ def test_an_id_no_engine_would_make_is_not_put_in_a_probe(engines: Engines, name
     assert engines.probes(engines.fast) == [] and engines.probes(engines.team) == []
     assert engines.fast.health_checks + engines.team.health_checks <= 2  # the router's own, at start
     assert replica.locates("skipped") == 1
+
+
+def test_the_misses_remembered_hold_no_client_authorization(engines: Engines) -> None:
+    # An open router (no client keys): any Authorization, up to the request head's 64 KiB. A
+    # flood of unknown ids, each with another long one, must not keep those headers.
+    fast = Backend("fast-1", "fast", BackendConfig(url=engines.data["pools"]["fast"]["backends"]["fast-1"]["url"]))
+    count, size = 200, 60 * 1024
+
+    async def flood() -> int:
+        transport = EngineClient(connections_per_origin=4, tls=ssl.create_default_context())
+        locator = Locator(transport)
+
+        async def ask(response_id: str, credentials: str, now: float) -> tuple[str | None, str]:
+            return await locator.locate(response_id, [fast], lambda _: [], credentials=credentials, now=now)
+
+        try:
+            await ask("resp-warm", "warm", 0)
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            for n in range(count):
+                assert await ask(f"resp-{n}", f"Bearer {n:08d}" + "k" * size, 0) == (None, "missed")
+            # Still known as misses, for that Authorization only.
+            assert await ask("resp-7", f"Bearer {7:08d}" + "k" * size, 1) == (None, "cached_miss")
+            assert await ask("resp-7", "other", 1) == (None, "missed")
+            gc.collect()
+            return tracemalloc.get_traced_memory()[0] - before
+        finally:
+            await transport.aclose()
+
+    tracemalloc.start()
+    try:
+        kept = asyncio.run(flood())
+    finally:
+        tracemalloc.stop()
+    # A few hundred bytes a miss (the engine's record of each probe too, in this process), not the header.
+    assert kept < count * size / 10, f"{kept} bytes kept for {count} misses"
