@@ -147,7 +147,9 @@ class Discovery:
         self._names: list[_Name] = []
         self._failing: set[tuple[str, str]] = set()  # names whose failure is logged already
         self._unforeseen = Unforeseen(logger)
-        self._refusing: dict[tuple[str, str], Counter[str]] = {}  # what each name's answer last refused
+        # The reasons each name's answers were refused for, logged already: a reason is logged
+        # once (an answer that refuses a few more or fewer every time is counted, not logged).
+        self._refusing: dict[tuple[str, str], set[str]] = {}
         self._removed: list[str] = []  # to forget at the next refresh
         self._wake = asyncio.Event()
 
@@ -234,16 +236,16 @@ class Discovery:
         )
         for why, count in screened.refused.items():
             self._metrics.discovery_refused.labels(name.pool, name.name, why).inc(count)
-        if screened.refused != self._refusing.get(key, Counter()):
-            self._refusing[key] = screened.refused
-            if screened.refused:
-                logger.warning(
-                    "backend %s (pool %s): %s gave addresses that are not used: %s",
-                    name.name,
-                    name.pool,
-                    name.host,
-                    ", ".join(f"{count} {why}" for why, count in sorted(screened.refused.items())),
-                )
+        logged = self._refusing.setdefault(key, set())
+        if not logged.issuperset(screened.refused):
+            logged.update(screened.refused)
+            logger.warning(
+                "backend %s (pool %s): %s gave addresses that are not used: %s",
+                name.name,
+                name.pool,
+                name.host,
+                ", ".join(f"{count} {why}" for why, count in sorted(screened.refused.items())),
+            )
         if not screened.kept:
             answers.labels(name.pool, name.name, "empty").inc()
             return None

@@ -337,3 +337,33 @@ def test_the_system_resolver_finds_an_engine_by_name() -> None:
         assert f"spec@127.0.0.1:{servers[0].port}" in _found(router)
         answer = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
         assert answer.choices[0].message.content and engine.requests
+
+
+@pytest.mark.e2e
+def test_an_answer_refusing_more_or_fewer_each_time_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="specroute")
+    port = free_port()
+    with DnsServer() as dns, ExitStack() as stack, tempfile.TemporaryDirectory() as store:
+        team = stack.enter_context(ServerThread(FakeEngine().app()))
+        dns.set("spec.test", "A", ["127.0.0.2"])
+        settings = _settings(f"http://spec.test:{port}", team.url, store, nameservers=[dns.address], max_addresses=4)
+        router, _ = stack.enter_context(_router(settings, stack))
+
+        def ok() -> float:
+            labels = {"pool": "fast", "backend": "spec", "result": "ok"}
+            return router.metrics.registry.get_sample_value("specroute_discovery_answers_total", labels) or 0.0
+
+        # A round-robin server handing out a few more or fewer each time, some outside the networks.
+        for round_ in range(6):
+            extra = 2 + round_ % 2
+            dns.set("spec.test", "A", [f"127.0.3.{i}" for i in range(1, 5 + extra)] + ["10.0.0.1"] * (round_ % 2))
+            answered = ok()
+            wait_until(lambda: ok() >= answered + 2, message="the answer taken")  # noqa: B023
+            dns.set("spec.test", "A", [f"127.0.3.{i}" for i in range(1, 5)])  # and nothing refused between
+            answered = ok()
+            wait_until(lambda: ok() >= answered + 2, message="the answer taken")  # noqa: B023
+    warnings = [r.getMessage() for r in caplog.records if r.name == "specroute.discovery" and r.levelname == "WARNING"]
+    assert [m for m in warnings if "not used" in m] == [
+        "backend spec (pool fast): spec.test gave addresses that are not used: 2 over_limit",
+        "backend spec (pool fast): spec.test gave addresses that are not used: 1 network, 3 over_limit",
+    ]
