@@ -115,10 +115,13 @@ def test_a_probe_carries_the_authorization_the_request_would(engines: Engines, f
     with engines.replica() as a, engines.replica(forward_client_authorization=forward) as b:
         made = _made_on_team(a)
         assert b.client("client-key").responses.retrieve(made).id == made
-        seen = [s for s in engines.team.requests + engines.fast.requests if s.path == f"/v1/responses/{made}"]
+        team = [s for s in engines.team.requests if s.path == f"/v1/responses/{made}"]
+        fast = [s for s in engines.fast.requests if s.path == f"/v1/responses/{made}"]
         expected = "Bearer client-key" if forward else None
-        assert len(seen) == 3  # two probes, then the request itself
-        assert {s.headers.get("authorization") for s in seen} == {expected}
+        # Team's probe, then the request itself; fast's probe is cancelled once team's found it,
+        # and on a busy machine that can be before it went out.
+        assert len(team) == 2 and len(fast) <= 1
+        assert {s.headers.get("authorization") for s in team + fast} == {expected}
 
 
 def test_a_restarted_router_finds_what_it_made_before(engines: Engines) -> None:
