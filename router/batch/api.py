@@ -224,7 +224,12 @@ class _Api:
             spool.seek(0)
             # Read from the file again as they go into the store: never all in memory at once.
             lines = () if errors else ((r.custom_id, r.url, r.body) for r in self._parse(spool))
-            await anyio.to_thread.run_sync(self._service.store.create_batch, record, lines)
+            limit = self._service.config.max_storage_bytes
+            try:
+                await anyio.to_thread.run_sync(lambda: self._service.store.create_batch(record, lines, limit=limit))
+            except StorageFull as exc:
+                why = f"no room for the batch's copy of its lines: {exc}"
+                raise PayloadTooLarge(why, param="input_file_id", code="storage_full") from exc
         finally:
             await _discard(spool)
         self._service.runner.wake()

@@ -133,6 +133,12 @@ class PostgresStore(Queries[_Connection]):
             rows.execute(sql, args)
             yield from rows
 
+    def _used(self, db: _Connection) -> int:
+        """Counted under a lock held until the commit: two routers storing at once (a file, a
+        batch's lines) cannot both pass the limit."""
+        db.execute("SELECT pg_advisory_xact_lock(%s)", (_STORAGE_LOCK,))
+        return super()._used(db)
+
     def _output(self, db: _Connection, record: FileRecord) -> _Chunks:
         return _Chunks(db, record)
 
@@ -154,10 +160,7 @@ class PostgresStore(Queries[_Connection]):
             while chunk := content.read(min(_CHUNK, record.bytes - chunks.size)):
                 chunks.write(chunk)
             chunks.close()
-            # Counted last and under a lock, this file included: two uploads at once on two
-            # routers cannot both pass the limit. The lock is held only until the commit.
-            db.execute("SELECT pg_advisory_xact_lock(%s)", (_STORAGE_LOCK,))
-            used = self._used(db)
+            used = self._used(db)  # counted last, this file included
             if used > limit:
                 raise StorageFull(f"the batch store holds {used - record.bytes} of its {limit} bytes")
 

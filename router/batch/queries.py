@@ -21,6 +21,7 @@ from router.batch.store import (
     BatchStatus,
     FileRecord,
     Line,
+    StorageFull,
     batch_record,
     batch_values,
     unanswered_line,
@@ -99,6 +100,7 @@ class Queries(Generic[Db]):
         return db.execute(self.dialect.sql(template), args)
 
     def _used(self, db: Db) -> int:
+        """What the store holds, this transaction's writes included, to check a limit against."""
         return int(self._run(db, _USED).fetchone()[0])
 
     # Files.
@@ -134,9 +136,10 @@ class Queries(Generic[Db]):
 
     # Batches.
 
-    def create_batch(self, record: BatchRecord, lines: Iterable[tuple[str, str, str]]) -> None:
-        """The batch and its lines `(custom_id, url, body)`, in one transaction. `lines` is taken
-        one at a time: it may read them from a file as they go in."""
+    def create_batch(self, record: BatchRecord, lines: Iterable[tuple[str, str, str]], *, limit: int) -> None:
+        """The batch and its lines `(custom_id, url, body)`, in one transaction; StorageFull, and
+        nothing kept, if their copy takes the store past `limit` bytes. `lines` is taken one at a
+        time: it may read them from a file as they go in."""
         names = [name.strip() for name in BATCH_COLUMNS.split(",")]
         marks = ", ".join(f":{name}" for name in names)
         with self._tx() as db:
@@ -146,6 +149,9 @@ class Queries(Generic[Db]):
                 **dict(zip(names, batch_values(record), strict=True)),
             )
             self._insert_lines(db, record.id, lines)
+            used = self._used(db)
+            if used > limit:
+                raise StorageFull(f"with them the batch store would hold {used} of its {limit} bytes")
 
     def get_batch(self, owner: str, batch_id: str) -> BatchRecord | None:
         rows = self._read(

@@ -556,8 +556,10 @@ def test_file_and_storage_limits(monkeypatch: pytest.MonkeyPatch, make_cluster: 
 def test_storage_counts_a_batchs_lines_and_its_output_files(
     make_cluster: Callable[..., AbstractContextManager[Cluster]],
 ) -> None:
-    ten, six = batch_input(10), batch_input(6)
-    limit = len(ten) + len(six)  # the two files fit exactly, with nothing else kept
+    ten, seven = batch_input(10), batch_input(7)
+    # The two files fit exactly, with nothing else kept; the copy of ten lines fits where the
+    # second file would go (its lines are shorter: no custom_id's and method's names, no spaces).
+    limit = len(ten) + len(seven)
     with make_cluster(batch={**FAST, "max_storage_bytes": limit}) as cluster:
         gate = threading.Event()
         cluster.team.gate = gate  # the lines wait in the engine: the batch stays unfinished
@@ -573,16 +575,50 @@ def test_storage_counts_a_batchs_lines_and_its_output_files(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         _wait(lambda: cluster.team.open >= 1)
-        full(six)  # the batch's copy of its ten lines takes room
+        full(seven)  # the batch's copy of its ten lines takes room
         gate.set()
         done = _finished(client, batch.id)
         assert done.status == "completed" and done.output_file_id is not None
         output = client.files.retrieve(done.output_file_id)
-        assert output.bytes > len(six)  # ten answers, each longer than its request
+        assert output.bytes > len(seven)  # ten answers, each longer than its request
         full(batch_input(1))  # the output file counts; the lines' copies are gone with the batch done
         client.files.delete(done.output_file_id)
-        assert client.files.create(file=("b.jsonl", six), purpose="batch").bytes == len(six)
+        assert client.files.create(file=("b.jsonl", seven), purpose="batch").bytes == len(seven)
         full(batch_input(1))
+
+
+def test_a_batch_the_store_has_no_room_for_is_413_and_leaves_nothing(
+    make_cluster: Callable[..., AbstractContextManager[Cluster]],
+) -> None:
+    # Each batch keeps a copy of its lines: batches made again and again from one file must not
+    # grow the store past its limit while their lines wait.
+    content = batch_input(10)
+    rows = [json.loads(row) for row in content.splitlines()]
+    copy = sum(len(r["custom_id"]) + len(r["url"]) + len(json.dumps(r["body"], separators=(",", ":"))) for r in rows)
+    with make_cluster(batch={**FAST, "max_storage_bytes": len(content) + 2 * copy + copy // 2}) as cluster:
+        gate = threading.Event()
+        cluster.team.gate = gate  # the lines wait in the engine: every batch stays unfinished
+        client = cluster.client("none")
+        uploaded = client.files.create(file=("a.jsonl", content), purpose="batch")
+
+        def create() -> Any:
+            return client.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+
+        made = [create(), create()]
+        for _ in range(3):
+            with pytest.raises(openai.APIStatusError) as caught:
+                create()
+            assert caught.value.status_code == 413 and caught.value.code == "storage_full"
+            assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "input_file_id"
+        assert [b.id for b in client.batches.list().data] == [made[1].id, made[0].id]
+        gate.set()
+        for batch in made:
+            done = _finished(client, batch.id)
+            assert done.status == "completed" and done.request_counts is not None
+            assert done.request_counts.completed == 10
+        assert len(cluster.team.requests) == 20
 
 
 def test_batch_lines_leave_room_for_live_requests(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:

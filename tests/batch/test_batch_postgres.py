@@ -379,7 +379,9 @@ def test_both_stores_keep_the_same_promises(stores: tuple[Store, Store]) -> None
     """The store interface, on SQLite and on PostgreSQL alike: a line is held by one router at a
     time, taken over once its lease lapses, recorded once; files come back whole."""
     first, second = stores
-    first.create_batch(_batch_record("b1", 10), ((f"c{i}", "/v1/chat/completions", "{}") for i in range(10)))
+    first.create_batch(
+        _batch_record("b1", 10), ((f"c{i}", "/v1/chat/completions", "{}") for i in range(10)), limit=10**9
+    )
     now = time.time()
     taken = first.claim("b1", "A", 4, now=now, until=now + 60)
     other = second.claim("b1", "B", 10, now=now, until=now + 0.5)
@@ -423,7 +425,7 @@ def test_the_storage_used_counts_every_line_result_and_file(stores: tuple[Store,
     first, second = stores
     assert first.used_bytes() == 0
     body = '{"q":"été"}'  # two of its characters take two bytes each
-    first.create_batch(_batch_record("b9", 2), ((f"c{i}", "/v1/chat/completions", body) for i in range(2)))
+    first.create_batch(_batch_record("b9", 2), ((f"c{i}", "/v1/chat/completions", body) for i in range(2)), limit=10**9)
     copy = sum(len(f"c{i}") + len("/v1/chat/completions") + len(body.encode()) for i in range(2))
     assert first.used_bytes() == second.used_bytes() == copy
     now = time.time()
@@ -436,9 +438,22 @@ def test_the_storage_used_counts_every_line_result_and_file(stores: tuple[Store,
     assert first.used_bytes() == second.used_bytes() == output.bytes + errors.bytes  # the lines' copies are gone
 
 
+def test_a_batch_past_the_storage_limit_is_refused_whole(stores: tuple[Store, Store]) -> None:
+    """A batch's copy of its lines counts as it goes in: past `limit`, StorageFull and nothing kept."""
+    first, second = stores
+    lines = [(f"c{i}", "/v1/chat/completions", '{"q":"été"}') for i in range(3)]
+    copy = sum(len(c) + len(u) + len(b.encode()) for c, u, b in lines)
+    first.create_batch(_batch_record("b4", 3), lines, limit=2 * copy)
+    with pytest.raises(StorageFull):
+        second.create_batch(_batch_record("b5", 3), lines, limit=2 * copy - 1)
+    assert first.get_batch("o", "b5") is None and first.used_bytes() == copy
+    second.create_batch(_batch_record("b5", 3), lines, limit=2 * copy)  # exactly at the limit
+    assert first.used_bytes() == 2 * copy and second.pending("b5") == 3
+
+
 def test_a_line_put_back_waits_and_a_released_line_is_taken_at_once(stores: tuple[Store, Store]) -> None:
     first, second = stores
-    first.create_batch(_batch_record("b2", 2), ((f"c{i}", "/v1/chat/completions", "{}") for i in range(2)))
+    first.create_batch(_batch_record("b2", 2), ((f"c{i}", "/v1/chat/completions", "{}") for i in range(2)), limit=10**9)
     now = time.time()
     one, _ = first.claim("b2", "A", 2, now=now, until=now + 60)
     first.retry_later(one, time.time() + 0.3)
@@ -454,7 +469,9 @@ def test_a_line_put_back_waits_and_a_released_line_is_taken_at_once(stores: tupl
 
 def test_routers_claiming_at_once_never_take_the_same_line(stores: tuple[Store, Store]) -> None:
     first, second = stores
-    first.create_batch(_batch_record("b3", 300), ((f"c{i}", "/v1/chat/completions", "{}") for i in range(300)))
+    first.create_batch(
+        _batch_record("b3", 300), ((f"c{i}", "/v1/chat/completions", "{}") for i in range(300)), limit=10**9
+    )
     taken: dict[str, list[int]] = {"A": [], "B": []}
     together = threading.Barrier(2, timeout=30)  # each round, both claim at the same moment
 
