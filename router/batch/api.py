@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, overload
 
 import anyio
 from starlette.requests import Request
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 _WINDOW_SECONDS = {"24h": 24 * 3600}
 _JSON_LIMIT = 1024 * 1024  # a create-batch body
 _CHUNK = 256 * 1024  # a file's content goes out this much at a time
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # every id and purpose the store may hold
 
 
 def batch_routes(service: BatchService) -> list[BaseRoute]:
@@ -114,9 +116,10 @@ class _Api:
         if order not in ("asc", "desc"):
             raise BadRequest("order must be 'asc' or 'desc'", param="order")
         limit = _limit(query.get("limit"), default=10_000, most=10_000)
+        purpose, after = _stored(query.get("purpose")), _stored(query.get("after"))
         found, more = await anyio.to_thread.run_sync(
             lambda: self._service.store.list_files(
-                owner, purpose=query.get("purpose"), after=query.get("after"), limit=limit, newest_first=order == "desc"
+                owner, purpose=purpose, after=after, limit=limit, newest_first=order == "desc"
             )
         )
         return JSONResponse(_page([_file(record) for record in found], more))
@@ -124,7 +127,7 @@ class _Api:
     async def _find_file(self, request: Request) -> tuple[str, FileRecord]:
         owner = self._owner(request)
         file_id = request.path_params["file_id"]
-        record = await anyio.to_thread.run_sync(self._service.store.get_file, owner, file_id)
+        record = await anyio.to_thread.run_sync(self._service.store.get_file, owner, _stored(file_id))
         if record is None:
             raise NotFound(f"No such File object: {file_id}", param="file_id", code="file_not_found")
         return owner, record
@@ -146,7 +149,7 @@ class _Api:
         store = self._service.store
         spool = await anyio.to_thread.run_sync(store.temporary_file)
         try:
-            found = await anyio.to_thread.run_sync(store.copy_file, owner, file_id, spool)
+            found = await anyio.to_thread.run_sync(store.copy_file, owner, _stored(file_id), spool)
         except BaseException:
             spool.close()
             raise
@@ -258,7 +261,7 @@ class _Api:
     async def list_batches(self, request: Request) -> Response:
         owner = self._owner(request)
         limit = _limit(request.query_params.get("limit"), default=20, most=100)
-        after = request.query_params.get("after")
+        after = _stored(request.query_params.get("after"))
         found, more = await anyio.to_thread.run_sync(
             lambda: self._service.store.list_batches(owner, after=after, limit=limit)
         )
@@ -267,7 +270,7 @@ class _Api:
     async def _find_batch(self, request: Request) -> tuple[str, BatchRecord]:
         owner = self._owner(request)
         batch_id = request.path_params["batch_id"]
-        record = await anyio.to_thread.run_sync(self._service.store.get_batch, owner, batch_id)
+        record = await anyio.to_thread.run_sync(self._service.store.get_batch, owner, _stored(batch_id))
         if record is None:
             raise NotFound(f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
         return owner, record
@@ -307,9 +310,19 @@ async def _chunks(file: IO[bytes]) -> AsyncIterator[bytes]:
 def _limit(value: str | None, *, default: int, most: int) -> int:
     if value is None:
         return default
-    if not value.isdigit() or not 1 <= int(value) <= most:
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= most:  # not "²", say
         raise BadRequest(f"limit must be an integer from 1 to {most}", param="limit")
     return int(value)
+
+
+@overload
+def _stored(name: str) -> str: ...
+@overload
+def _stored(name: None) -> None: ...
+def _stored(name: str | None) -> str | None:
+    """A client's id or purpose as the store is asked for it: one the store cannot hold (a NUL,
+    which PostgreSQL refuses outright, 10 kB, a path) names nothing there, as "" does."""
+    return name if name is None or _NAME.fullmatch(name) else ""
 
 
 def _new_id(prefix: str) -> str:

@@ -65,6 +65,8 @@ def _request(number: int, raw: bytes, max_depth: int) -> Request:
     custom_id, method, url, body = (line.get(key) for key in ("custom_id", "method", "url", "body"))
     if not isinstance(custom_id, str) or not custom_id:
         raise _bad(number, "custom_id must be a non-empty string")
+    if "\x00" in custom_id:  # kept as text: PostgreSQL's holds none
+        raise _bad(number, "custom_id must not hold U+0000")
     if method != "POST":
         raise _bad(number, "method must be POST")
     if url not in ENDPOINTS:
@@ -74,6 +76,8 @@ def _request(number: int, raw: bytes, max_depth: int) -> Request:
     if body.get("stream") is True:
         raise _bad(number, "body.stream: a batch request is answered whole, not streamed")
     model = body.get("model")
+    if isinstance(model, str) and "\x00" in model:  # the batch's model is kept as text too
+        raise _bad(number, "body.model must not hold U+0000")
     return Request(custom_id, url, json.dumps(body, separators=(",", ":")), model if isinstance(model, str) else None)
 
 

@@ -183,11 +183,13 @@ class _Parts:
 
 
 def _text(raw: bytes) -> str:
-    """A field or file name: UTF-8 as browsers and the SDKs send it, else each byte as it is."""
+    """A field or file name: UTF-8 as browsers and the SDKs send it, else each byte as it is; a
+    NUL as U+FFFD (PostgreSQL's text holds none)."""
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        return raw.decode("latin-1")
+        text = raw.decode("latin-1")
+    return text.replace("\x00", "\ufffd")
 
 
 def _too_large(max_file_bytes: int, room: int) -> PayloadTooLarge:

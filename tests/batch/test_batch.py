@@ -192,6 +192,8 @@ MALFORMED = [
     (b'\n{"method": "POST", "url": "/v1/embeddings", "body": {}}\n', 2, "custom_id must be"),
     (batch_input(1, stream=True), 1, "streamed"),
     (b"[1]\n", 1, "must be a JSON object"),
+    (batch_input(1) + batch_input(1, prefix="a\x00"), 2, "custom_id must not hold U+0000"),  # nor can PostgreSQL
+    (batch_input(1, model="m\x00"), 1, "body.model must not hold U+0000"),
     (batch_input(1) + b"[" * 100_000 + b"]" * 100_000 + b"\n", 2, "nested more than"),  # never a 500
 ]
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import openai
@@ -343,6 +344,75 @@ def test_the_dsn_is_never_shown(
     assert "not a PostgreSQL connection string" in status
     for text in (printed, answer.text, status, caplog.text):
         assert PASSWORD not in text
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def either_store(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The `batch` settings of a router on SQLite, or on PostgreSQL (a fresh database)."""
+    if request.param == "sqlite":
+        return FAST
+    request.getfixturevalue("dsn")
+    return _store()
+
+
+# Ids no router makes: a NUL (PostgreSQL's text holds none), 10 kB, a path, an injection, unicode.
+HOSTILE_IDS = ["\x00", "file-\x00", "a" * 10_000, "../../etc/passwd", "file-' OR '1'='1", "\u202e", "😀", "\xff"]
+
+
+@pytest.mark.e2e
+def test_hostile_ids_names_and_limits_are_answered_on_either_store(
+    either_store: dict[str, Any], make_cluster: Callable[..., AbstractContextManager[Cluster]]
+) -> None:
+    """Whatever a client puts in an id, a cursor, a purpose, a limit or a file name: 404, an
+    empty page or 400, in OpenAI's shape, never a 500; the client's own things untouched."""
+    with make_cluster(batch=either_store) as cluster:
+        client = cluster.client("alice-key")
+        mine = client.files.create(file=("a.jsonl", batch_input(2)), purpose="batch")
+        batch = client.batches.create(input_file_id=mine.id, endpoint="/v1/chat/completions", completion_window="24h")
+        with httpx.Client(base_url=cluster.base_url, headers={"authorization": "Bearer alice-key"}) as http:
+            for hostile in HOSTILE_IDS:
+                name = quote(hostile, safe="")
+                for method, path in (
+                    ("GET", f"/files/{name}"),
+                    ("GET", f"/files/{name}/content"),
+                    ("DELETE", f"/files/{name}"),
+                    ("GET", f"/batches/{name}"),
+                    ("POST", f"/batches/{name}/cancel"),
+                ):
+                    answer = http.request(method, path)
+                    assert answer.status_code == 404, (method, path[:40], answer.text[:200])
+                    assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+                params = {"input_file_id": hostile, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+                answer = http.post("/batches", json=params)
+                assert answer.status_code == 404 and answer.json()["error"]["code"] == "file_not_found", answer.text
+                for path, query in (("/files", "after"), ("/files", "purpose"), ("/batches", "after")):
+                    answer = http.get(path, params={query: hostile})
+                    assert answer.status_code == 200, (path, query, answer.text[:200])
+                    assert answer.json()["object"] == "list"
+            for path in ("/files", "/batches"):
+                for limit in ("²", "0", "-1", "1e3", ""):
+                    answer = http.get(path, params={"limit": limit})
+                    assert answer.status_code == 400 and answer.json()["error"]["param"] == "limit", answer.text
+            # A file name as raw bytes, NUL and all: kept, without the NUL.
+            raw = (
+                b'--zz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+                b'--zz\r\nContent-Disposition: form-data; name="file"; filename="a\x00\xff.jsonl"\r\n\r\n'
+                + batch_input(1)
+                + b"\r\n--zz--\r\n"
+            )
+            answer = http.post("/files", content=raw, headers={"content-type": "multipart/form-data; boundary=zz"})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["filename"] == "a\ufffd\xff.jsonl"
+            # A custom_id or model holding a NUL is a bad line, on either store.
+            for row in ({"custom_id": "a\x00"}, {"custom_id": "a", "body": {"model": "m\x00"}}):
+                line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}, **row}
+                files = {"file": ("n.jsonl", json.dumps(line).encode() + b"\n")}
+                answer = http.post("/files", data={"purpose": "batch"}, files=files)
+                assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_file", answer.text
+                assert "U+0000" in answer.json()["error"]["message"]
+        assert {f.id for f in client.files.list()} >= {mine.id}
+        assert client.files.content(mine.id).content == batch_input(2)
+        assert _finished(client, batch.id).status == "completed"
 
 
 def test_the_postgres_store_needs_its_dsn_env() -> None:
