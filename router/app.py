@@ -21,7 +21,7 @@ from router.batch.api import batch_routes
 from router.batch.service import BatchService
 from router.clock import Clock
 from router.config import Settings
-from router.errors import MethodNotAllowed, NotFound, RouterError
+from router.errors import LoopDetected, MethodNotAllowed, NotFound, RouterError
 from router.replicas.store import Store
 from router.replies import error_response
 from router.request.headers import bearer
@@ -48,13 +48,21 @@ def create_app(
     processes (router.workers), for whom /metrics, /router/status and the admin API speak too;
     `store`: what the state is shared through when it is not the configured Redis."""
     router = Router(
-        settings, registry=registry, load=load, clock=live_clock, batches=lambda r: BatchService(r, clock=clock)
+        settings,
+        registry=registry,
+        load=load,
+        clock=live_clock,
+        batches=lambda r: BatchService(r, clock=clock),
+        identity=workers.identity if workers is not None else None,
     )
     batches = router.batches
     assert isinstance(batches, BatchService)
 
     async def healthz(request: Request) -> Response:
         # Also served at /health, the path vLLM and SGLang use, which load tools probe first.
+        if router.via in request.headers.get("via", ""):
+            # This router's own probe: a name resolved to it, or a backend's URL is its own.
+            raise LoopDetected("this router's health check reached this router", code="loop_detected")
         return JSONResponse({"status": "ok"})
 
     async def version(request: Request) -> Response:

@@ -10,6 +10,7 @@
     ├── PayloadTooLarge       413
     ├── HeadersTooLarge       431  the request head is too large, or has too many fields
     ├── RateLimited           429  (+ Retry-After, x-ratelimit-*) over a key's limit
+    ├── LoopDetected          508  this router's health check reached this router (it is its own backend)
     ├── NoBackendAvailable    503  (+ Retry-After) queue full, queue wait over, pool down, too many connections
     └── UpstreamError         502  upstream unreachable or broken
         └── UpstreamTimeout   504
@@ -116,6 +117,11 @@ class RateLimited(RouterError):
             "Retry-After": str(max(1, math.ceil(self.retry_after))),
             "retry-after-ms": str(max(1, math.ceil(self.retry_after * 1000))),
         }
+
+
+class LoopDetected(RouterError):
+    status_code = 508
+    error_type = "loop_detected"
 
 
 class NoBackendAvailable(RouterError):

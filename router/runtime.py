@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import ssl
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -88,8 +89,13 @@ class Router:
         build: BuildInfo | None = None,
         clock: Clock | None = None,
         batches: Callable[[Router], BatchParts] | None = None,
+        identity: str | None = None,
     ) -> None:
-        """`batches` builds the Batch API's parts on this router (router.app); None: no Batch API."""
+        """`batches` builds the Batch API's parts on this router (router.app); None: no Batch API.
+        `identity`: what this router (all of its worker processes) is called in a `Via` header;
+        None: a random one."""
+        # In the `Via` of its health probes: its own /health refuses them (router.app).
+        self.via = f"1.1 specroute-{identity or secrets.token_hex(8)}"
         self.build = build if build is not None else build_info()
         self._load = load  # where a reload reads the settings from; None: nowhere
         self.shutting_down = False
@@ -135,7 +141,7 @@ class Router:
             tracer=self.tracer,
         )
         self.catalog = ModelCatalog(self.pools, self.transport, clock=self.clock)
-        self.health = HealthChecker(self.pools, self.transport, clock=self.clock)
+        self.health = HealthChecker(self.pools, self.transport, clock=self.clock, via=self.via)
         self.scraper = EngineScraper(self.pools, self.transport, clock=self.clock)
         self.discovery = Discovery(self.pools, self.health, self.speeds, self.metrics, forget=self._forget)
         self.batches = batches(self) if batches is not None else None

@@ -21,12 +21,16 @@ logger = logging.getLogger("specroute")
 
 
 class HealthChecker:
-    def __init__(self, pools: Pools, transport: Transport, *, clock: Clock) -> None:
+    def __init__(self, pools: Pools, transport: Transport, *, clock: Clock, via: str) -> None:
+        """`via`: this router's `Via` entry, sent with each probe; the router's own `/health`
+        answers 508 to a probe carrying it (router.app), so it never becomes its own backend."""
         self._pools = pools
+        self._via = [("via", via)]
         self._transport = transport
         self._clock = clock
         self._config = Health()
         self._tls_failing: set[str] = set()  # backends whose TLS failure is logged already
+        self._looping: set[str] = set()  # backends found to be this router, logged already
         self._unforeseen = Unforeseen(logger)
 
     def configure(self, config: Health) -> None:
@@ -54,8 +58,13 @@ class HealthChecker:
         # Probes go straight to the engine: they are not requests, and count in no metric.
         try:
             async with asyncio.timeout(self._config.timeout):
-                status, _ = await self._transport.get(backend.url + "/health")
+                status, _ = await self._transport.get(backend.url + "/health", headers=self._via)
             ok = status == 200
+            if status == 508 and backend.name not in self._looping:  # once, not every interval
+                self._looping.add(backend.name)
+                logger.warning(
+                    "backend %s (pool %s) is this router itself: it takes no work", backend.name, backend.pool
+                )
         except TlsError as exc:
             ok = False
             if backend.name not in self._tls_failing:  # once, not every interval
@@ -68,4 +77,6 @@ class HealthChecker:
             self._unforeseen.log(exc, "backend %s (pool %s): a health check failed", backend.name, backend.pool)
         else:
             self._tls_failing.discard(backend.name)
+            if ok:
+                self._looping.discard(backend.name)
         backend.outlier.probed(self._clock.now(), ok, first=first)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 from collections.abc import Mapping
@@ -38,6 +39,8 @@ class Peers:
         self.index = index
         self.count = count
         self._rundir = rundir
+        # The same in every worker of one supervisor: the router's name in a `Via` (router.runtime).
+        self.identity = hashlib.blake2b(str(rundir).encode(), digest_size=8).hexdigest()
         self._sessions: dict[int, aiohttp.ClientSession] = {}
 
     def path(self, index: int) -> Path:
