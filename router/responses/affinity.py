@@ -43,10 +43,12 @@ def made_response(method: str, path: str) -> bool:
 
 
 class ResponseAffinity:
-    """Response id -> backend name, each for `affinity_seconds`, at most `affinity_max` of them."""
+    """Response id -> backend name, each for `affinity_seconds`, at most `affinity_max` of them,
+    with the client that made it where known (a digest of its key, router.responses.stage)."""
 
     def __init__(self) -> None:
-        self._owners: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (backend, expiry)
+        # id -> (backend, expiry, the client that made it or None: any client may name it)
+        self._owners: OrderedDict[str, tuple[str, float, bytes | None]] = OrderedDict()
         self.configure(Responses())
 
     def configure(self, config: Responses) -> None:
@@ -57,10 +59,10 @@ class ResponseAffinity:
     def __len__(self) -> int:
         return len(self._owners)
 
-    def remember(self, response_id: str, backend: str, now: float) -> None:
+    def remember(self, response_id: str, backend: str, now: float, *, maker: bytes | None = None) -> None:
         if self._ttl <= 0 or self._max <= 0 or RESPONSE_ID.fullmatch(response_id) is None:
             return
-        self._owners[response_id] = (backend, now + self._ttl)
+        self._owners[response_id] = (backend, now + self._ttl, maker)
         self._owners.move_to_end(response_id)
         self._trim(now)
 
@@ -72,6 +74,11 @@ class ResponseAffinity:
             del self._owners[response_id]
             return None
         return found[0]
+
+    def maker(self, response_id: str) -> bytes | None:
+        """The client that made a remembered response (None: unknown, or not remembered)."""
+        found = self._owners.get(response_id)
+        return found[2] if found is not None else None
 
     def forget(self, response_id: str) -> None:
         self._owners.pop(response_id, None)

@@ -3,19 +3,23 @@ backend that holds it, and an answer that makes (or deletes) one is noted.
 
     route  after decide:  Routed -> Routed pinned to the owner (`reason="response_affinity"`),
                           the one remembered (router.affinity), else the one found by asking
-                          the healthy backends (router.locate); as decided if held nowhere
-    note   after relay:   a new response's id -> the backend that made it; a DELETE forgets it
+                          the healthy backends (router.locate); as decided if held nowhere;
+                          404 if remembered as made with another client key (client keys set)
+    note   after relay:   a new response's id -> the backend and client that made it; a DELETE
+                          forgets it
 
 Most requests name no stored response: `route` costs them one comparison (`response_ref`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 
 from router.backends.backend import Backend
 from router.backends.pools import Pools
 from router.clock import Clock
+from router.errors import NotFound
 from router.request.decide import Routed
 from router.request.forward import Answer
 from router.request.headers import request_headers
@@ -46,6 +50,10 @@ class StoredResponses:
             return routed
         now = self._clock.now()
         name = self._owners.owner(ref, now)
+        maker = self._owners.maker(ref) if name is not None and plan.auth.required else None
+        if maker is not None and not incoming.internal and maker != _client(incoming):
+            # Made here with another client key: an engine sent the backend's key (or none) cannot tell.
+            raise NotFound(f"Response with id '{ref}' not found.", code="response_not_found")
         if name is None:
             name = await self._locate(incoming, ref, plan)
             if name is not None:
@@ -82,8 +90,15 @@ class StoredResponses:
         if outcome.status >= 400:
             return
         if outcome.response_id is not None and made_response(arrival.method, arrival.path):
-            self._owners.remember(outcome.response_id, answer.backend.name, self._clock.now())
+            maker = None if incoming.internal else _client(incoming)  # a batch line's: its batch's client
+            self._owners.remember(outcome.response_id, answer.backend.name, self._clock.now(), maker=maker)
         elif arrival.method == "DELETE":
             ref = response_ref(arrival.method, arrival.path, incoming.payload)
             if ref is not None:
                 self._owners.forget(ref)
+
+
+def _client(incoming: Incoming) -> bytes:
+    """Who made or names a stored response: a digest of the client's key (no key: anonymous)."""
+    key = (incoming.api_key or "").encode()
+    return hashlib.blake2b(key, digest_size=16).digest()
