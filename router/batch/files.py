@@ -7,6 +7,7 @@ The first line that is wrong is named in the error (1-based, as an editor counts
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ def parse(file: IO[bytes], *, max_lines: int, max_depth: int, max_line_bytes: in
     """The file's requests, read from where it stands line by line; BadRequest (`invalid_file`,
     naming the line) at the first bad one. Only one line at a time is in memory, and no line
     longer than `max_line_bytes`: the request it holds could not be sent."""
-    seen: set[str] = set()
+    seen: set[bytes] = set()  # the custom_ids' digests: a file of long ones is not held again in memory
     count = 0
     number = 0
     while raw := file.readline(max_line_bytes + 1):
@@ -42,9 +43,10 @@ def parse(file: IO[bytes], *, max_lines: int, max_depth: int, max_line_bytes: in
         if count == max_lines:
             raise _bad(number, f"the file has more than {max_lines} requests")
         request = _request(number, raw, max_depth)
-        if request.custom_id in seen:
+        digest = hashlib.blake2b(request.custom_id.encode(), digest_size=16).digest()
+        if digest in seen:
             raise _bad(number, f"custom_id {request.custom_id!r} is used more than once")
-        seen.add(request.custom_id)
+        seen.add(digest)
         count += 1
         yield request
     if not count:
