@@ -12,7 +12,7 @@ import hashlib
 import io
 import re
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any, overload
 
 import anyio
@@ -126,11 +126,13 @@ class _Api:
 
     async def _find_file(self, request: Request) -> tuple[str, FileRecord]:
         owner = self._owner(request)
-        file_id = request.path_params["file_id"]
+        return owner, await self._file_record(owner, request.path_params["file_id"], param="file_id")
+
+    async def _file_record(self, owner: str, file_id: str, *, param: str) -> FileRecord:
         record = await anyio.to_thread.run_sync(self._service.store.get_file, owner, _stored(file_id))
         if record is None:
-            raise NotFound(f"No such File object: {file_id}", param="file_id", code="file_not_found")
-        return owner, record
+            raise NotFound(f"No such File object: {file_id}", param=param, code="file_not_found")
+        return record
 
     async def get_file(self, request: Request) -> Response:
         _, record = await self._find_file(request)
@@ -138,25 +140,35 @@ class _Api:
 
     async def content(self, request: Request) -> Response:
         owner, record = await self._find_file(request)
-        spool = await self._copy(owner, record.id, param="file_id")
+        spool, done = await self._copy(owner, record, param="file_id")
         size = spool.seek(0, io.SEEK_END)
         spool.seek(0)
-        return StreamingResponse(_chunks(spool), media_type="application/jsonl", headers={"content-length": str(size)})
+        body = _chunks(spool, done)
+        return StreamingResponse(body, media_type="application/jsonl", headers={"content-length": str(size)})
 
-    async def _copy(self, owner: str, file_id: str, *, param: str) -> IO[bytes]:
+    async def _copy(self, owner: str, record: FileRecord, *, param: str) -> tuple[IO[bytes], Callable[[], object]]:
         """A copy of the file's content in a temporary file (whole, even if it is deleted meanwhile),
-        for the caller to read at its pace and close; NotFound if there is no such file."""
+        for the caller to read at its pace and close, then call `done`; NotFound if there is no
+        such file; 503 while the copies open take `max_storage_bytes` (copies.py)."""
         store = self._service.store
-        spool = await anyio.to_thread.run_sync(store.temporary_file)
+        self._service.copies.take(record.bytes, most=self._service.config.max_storage_bytes)
         try:
-            found = await anyio.to_thread.run_sync(store.copy_file, owner, _stored(file_id), spool)
+            spool = await anyio.to_thread.run_sync(store.temporary_file)
+        except BaseException:
+            self._service.copies.give_back(record.bytes)
+            raise
+        done = self._service.copies.track(spool, record.bytes)
+        try:
+            found = await anyio.to_thread.run_sync(store.copy_file, owner, record.id, spool)
         except BaseException:
             spool.close()
+            done()
             raise
         if not found:
             spool.close()
-            raise NotFound(f"No such File object: {file_id}", param=param, code="file_not_found")
-        return spool
+            done()
+            raise NotFound(f"No such File object: {record.id}", param=param, code="file_not_found")
+        return spool, done
 
     async def delete_file(self, request: Request) -> Response:
         owner, record = await self._find_file(request)
@@ -205,7 +217,8 @@ class _Api:
             )
         ):
             raise BadRequest("metadata: at most 16 string keys (64 chars) and values (512 chars)", param="metadata")
-        spool = await self._copy(owner, file_id, param="input_file_id")
+        input_file = await self._file_record(owner, file_id, param="input_file_id")
+        spool, done = await self._copy(owner, input_file, param="input_file_id")
         try:
             total, model, errors = await anyio.to_thread.run_sync(self._survey, spool, endpoint)
             now = self._service.now()
@@ -235,6 +248,7 @@ class _Api:
                 raise PayloadTooLarge(why, param="input_file_id", code="storage_full") from exc
         finally:
             await _discard(spool)
+            done()
         self._service.runner.wake()
         return JSONResponse(_batch(record))
 
@@ -297,14 +311,15 @@ async def _discard(file: IO[bytes]) -> None:
         await anyio.to_thread.run_sync(file.close)
 
 
-async def _chunks(file: IO[bytes]) -> AsyncIterator[bytes]:
-    """`file` from where it stands, a chunk at a time; closed at its end, or when the client leaves
-    (the response is cancelled there)."""
+async def _chunks(file: IO[bytes], done: Callable[[], object]) -> AsyncIterator[bytes]:
+    """`file` from where it stands, a chunk at a time; closed (then `done`) at its end, or when
+    the client leaves (the response is cancelled there)."""
     try:
         while chunk := await anyio.to_thread.run_sync(file.read, _CHUNK):
             yield chunk
     finally:
         file.close()
+        done()
 
 
 def _limit(value: str | None, *, default: int, most: int) -> int:

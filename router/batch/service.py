@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from router.batch.copies import Copies
 from router.batch.metrics import BatchMetrics
 from router.batch.runner import Runner
 from router.batch.sqlite import SqliteStore
@@ -34,6 +35,7 @@ class BatchService:
         self.router = router
         self._clock = clock
         self.metrics = BatchMetrics(router.metrics.registry)
+        self.copies = Copies()  # of files being downloaded or read into a batch
         self._store: Store | None = None
         self._runner: Runner | None = None
         self._task: asyncio.Task[None] | None = None
@@ -151,6 +153,7 @@ class BatchService:
             # RATE_WINDOW seconds (of the clock batches are timed by).
             "lines": dict(runner.lines) if runner else {"completed": 0, "failed": 0},
             "lines_per_second": round(runner.rate.per_second(), 3) if runner else 0.0,
+            "copies_bytes": self.copies.held,  # temporary copies of files open now (copies.py)
             # No ids: /router/status needs no key, and a batch is its owner's to name.
             "active": [
                 {

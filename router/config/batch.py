@@ -76,7 +76,8 @@ class Batch(Section):
         default=10 * 1024**3,
         ge=1,
         description="Bytes the store keeps in all: files, and unfinished batches' lines with their results; past it "
-        "an upload gets 413 `storage_full`.",
+        "an upload or a new batch gets 413 `storage_full`. Also the most a router's temporary copies of files being "
+        "read (downloads, new batches) take at once; past it 503 `batch_copies_full`.",
     )
     max_lines: int = Field(default=50_000, ge=1, description="Requests in one input file at most.")
     max_concurrency: int = Field(

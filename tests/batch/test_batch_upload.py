@@ -417,3 +417,71 @@ async def test_an_upload_the_store_has_no_room_for_is_413_before_it_reaches_the_
         await client.close()
         await other.close()
         await _nothing_left(cluster)
+
+
+@pytest.mark.anyio
+async def test_copies_of_files_being_read_are_bounded_by_the_storage_limit(make_cluster: MakeCluster) -> None:
+    # A download reads a copy of the file made for it. Downloads left unread must not make the
+    # router write a copy of the same file for each: they are bounded, 503 past it, as a new
+    # batch's copy of its input is.
+    content = _big_file(16)  # more than the sockets between hold: the router waits on the reader
+    with make_cluster(batch={"max_storage_bytes": 2 * len(content) + len(content) // 2}) as cluster:
+        store = _store(cluster)
+        client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="k", max_retries=0, timeout=60)
+        uploaded = await client.files.create(file=("big.jsonl", content), purpose="batch")
+        get = f"GET /v1/files/{uploaded.id}/content HTTP/1.1\r\nHost: router\r\nAuthorization: Bearer k\r\n\r\n"
+
+        async def download() -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", cluster.router.port)
+            writer.write(get.encode())
+            async with asyncio.timeout(30):
+                head = await reader.readuntil(b"\r\n\r\n")
+            return reader, writer, head
+
+        async def copies_bytes() -> int:
+            async with httpx.AsyncClient() as http:
+                status = await http.get(cluster.router.url + "/router/status")
+            return int(status.json()["batches"]["copies_bytes"])
+
+        held = [await download() for _ in range(2)]  # their heads read, their bodies not
+        assert all(head.startswith(b"HTTP/1.1 200") for _, _, head in held)
+        assert await copies_bytes() == 2 * len(content)
+        reader, writer, head = await download()
+        assert head.startswith(b"HTTP/1.1 503") and b"retry-after" in head.lower()
+        body = json.loads(await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r")[0])))
+        assert body["error"]["code"] == "batch_copies_full", body
+        writer.close()
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+        assert caught.value.status_code == 503 and caught.value.code == "batch_copies_full"
+        assert not cluster.team.requests and not (await client.batches.list()).data
+
+        held.pop()[1].close()  # a reader leaves: its copy is closed, and another may be made
+
+        async def whole_download() -> bool:
+            reader, writer, head = await download()
+            try:
+                if not head.startswith(b"HTTP/1.1 200"):
+                    return False
+                async with asyncio.timeout(60):
+                    assert await reader.readexactly(len(content)) == content
+                return True
+            finally:
+                writer.close()
+
+        await until(whole_download, message="a download once a copy was closed")
+        held.pop()[1].close()
+        await until(lambda: not _temporary_files(store), message="no copy left open")
+
+        async def no_copies() -> bool:
+            return await copies_bytes() == 0
+
+        await until(no_copies, message="every copy given back")
+        batch = await client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert batch.status == "validating"
+        await client.batches.cancel(batch.id)  # 4,000 lines: not to be run here
+        await client.close()
