@@ -20,6 +20,7 @@ from router.batch.runner import RATE_WINDOW
 from router.batch.service import REOPEN_SECONDS
 from tests.batches import batch_input
 from tests.conftest import Cluster
+from tests.timing import too_busy_to_time
 from tests.wait import until
 
 pytestmark = pytest.mark.e2e  # the router served on loopback in front of fake engines
@@ -681,7 +682,7 @@ def test_batch_lines_are_trusted_without_opening_overrides_to_clients(
         )
 
 
-@pytest.mark.parametrize(("lines", "token_delay", "lease"), [(80, 0.02, 60.0), (20, 0.2, 0.3)])
+@pytest.mark.parametrize(("lines", "token_delay", "lease"), [(80, 0.02, 60.0), (20, 0.5, 1.5)])
 def test_two_routers_on_one_store_run_each_line_once(
     tmp_path: Path,
     make_cluster: Callable[..., AbstractContextManager[Cluster]],
@@ -689,7 +690,11 @@ def test_two_routers_on_one_store_run_each_line_once(
     token_delay: float,
     lease: float,
 ) -> None:
-    """Second case: each line takes 0.8 s, its lease 0.3 s; the lease is renewed while it runs."""
+    """Second case: each line takes 2 s, its lease 1.5 s; the lease is renewed while it runs
+    (every 0.5 s). A machine that stalls a renewal past the lease has the other router take the
+    line, as it should: that case is timed, and skips when the machine is too busy to time."""
+    if lease < 60 and (busy := too_busy_to_time()):
+        pytest.skip(busy)
     shared = {**FAST, "store_dir": str(tmp_path), "lease_seconds": lease}
     with make_cluster(batch=shared) as first, make_cluster(batch=shared) as second:
         for cluster in (first, second):
