@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 _WINDOW_SECONDS = {"24h": 24 * 3600}
 _JSON_LIMIT = 1024 * 1024  # a create-batch body
 _CHUNK = 256 * 1024  # a file's content goes out this much at a time
+_MODEL_CHARS = 256  # a batch's `model`, shown in every list of batches: a name, not a line's worth
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # every id and purpose the store may hold
 
 
@@ -253,13 +254,13 @@ class _Api:
         return JSONResponse(_batch(record))
 
     def _survey(self, content: IO[bytes], endpoint: str) -> tuple[int, str | None, list[dict[str, Any]]]:
-        """How many requests an input file has, the first model it names, and (at most 100) lines
-        whose url is not the batch's endpoint."""
+        """How many requests an input file has, the first model it names (of at most 256
+        characters), and (at most 100) lines whose url is not the batch's endpoint."""
         content.seek(0)
         total, model = 0, None
         errors: list[dict[str, Any]] = []
         for total, request in enumerate(self._parse(content), start=1):
-            if model is None:
+            if model is None and request.model is not None and len(request.model) <= _MODEL_CHARS:
                 model = request.model
             if request.url != endpoint and len(errors) < 100:
                 errors.append(

@@ -624,6 +624,19 @@ def test_a_batch_the_store_has_no_room_for_is_413_and_leaves_nothing(
         assert len(cluster.team.requests) == 20
 
 
+def test_a_batchs_model_is_a_name_not_a_megabyte(keyed: Cluster) -> None:
+    # The batch keeps the first model its file names, and every list of batches shows it: a
+    # model of 1 MB (a line may hold 4 MiB) would make a page of 100 batches 100 MB to build.
+    client = keyed.client("alice-key")
+    content = batch_input(1, prefix="long", model="m" * 1_000_000) + batch_input(1)
+    uploaded = client.files.create(file=("long.jsonl", content), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.model == "test-model"  # the first name of at most 256 characters
+    page = httpx.get(keyed.base_url + "/batches", headers={"authorization": "Bearer alice-key"})
+    assert page.status_code == 200 and len(page.content) < 10_000
+    assert _finished(client, batch.id).status == "completed"
+
+
 def test_batch_lines_leave_room_for_live_requests(make_cluster: Callable[..., AbstractContextManager[Cluster]]) -> None:
     with make_cluster(batch={**FAST, "reserve_slots": 2}) as cluster:
         cluster.team.token_delay = 0.02
