@@ -41,14 +41,20 @@ def free_port() -> int:
 
 @contextmanager
 def serve(
-    config: Path, *, env: Mapping[str, str] | None = None, own_session: bool = False, args: Sequence[str] = ()
+    config: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    own_session: bool = False,
+    args: Sequence[str] = (),
+    port: int | None = None,
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`specroute serve --config FILE` in its own process, its log beside the file; yields it and
     its URL once it answers. It gets this process's environment but for `SPECROUTE_*`, plus `env`.
     `own_session`: in a session of its own, which Linux gives a fair share of the CPU of its own
-    (an autogroup) beside this process and any other session's busy processes."""
+    (an autogroup) beside this process and any other session's busy processes. `port`: the one to
+    listen on (else a free one)."""
     _may_serve()
-    port = free_port()
+    port = port if port is not None else free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")} | dict(env or {})
     log = (config.parent / "router.log").open("w")
     process = subprocess.Popen(

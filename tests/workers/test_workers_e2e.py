@@ -90,7 +90,8 @@ class Workers:
 
 
 @contextmanager
-def workers(tmp: Path, **overrides: Any) -> Iterator[Workers]:
+def workers(tmp: Path, *, port: int | None = None, **overrides: Any) -> Iterator[Workers]:
+    """`port`: the one the workers listen on (else a free one)."""
     fast = FakeEngine(first_token_delay=0.05, token_delay=0.02)
     team = FakeEngine(first_token_delay=0.05, token_delay=0.02)
     with ExitStack() as stack:
@@ -105,7 +106,7 @@ def workers(tmp: Path, **overrides: Any) -> Iterator[Workers]:
         config.write_text(yaml.safe_dump(data))
         (tmp / "run").mkdir()
         env = {"TMPDIR": str(tmp / "run"), "TEST_ADMIN_KEY": ADMIN_KEY}
-        process, url = stack.enter_context(serve(config, env=env, args=["--workers", "2"], own_session=True))
+        process, url = stack.enter_context(serve(config, env=env, args=["--workers", "2"], own_session=True, port=port))
         [rundir] = (tmp / "run").glob("specroute-workers-*")
         found = Workers(url, process, rundir, fast, team, config, tmp / "router.log")
         found.wait_sharing()
@@ -193,6 +194,25 @@ def test_alone_an_interactive_user_stays_interactive_on_both_workers(tmp_path: P
             if all(seen["interactive"] for seen in served):
                 break
         assert all(seen["interactive"] for seen in served), served
+
+
+def test_a_backend_at_the_workers_own_port_takes_no_work(tmp_path: Path) -> None:
+    """A backend at the router's own address (router.backends.health): each worker's health check
+    may reach either worker, so both refuse the `Via` of the router as a whole, not their own."""
+    port = free_port()
+    itself = {"url": f"http://127.0.0.1:{port}", "max_concurrency": SLOTS}
+    with workers(tmp_path, port=port, pools={"fast": {"backends": {"itself": itself}}}) as cluster:
+        # Each worker checks the backend over a connection the kernel gives to one of the two:
+        # until both have found it is the router (both log it), on any connection.
+        wait_until(
+            lambda: cluster.log.read_text().count("backend itself (pool fast) is this router itself") >= 2,
+            timeout=60,
+            message="both workers' health checks found the backend is the router",
+        )
+        assert all(not view["backends"]["itself"] for view in cluster.each("/readyz"))
+        routed = [ask(cluster.url, f"user-{i}") for i in range(8)]
+        assert routed == ["interactive"] * 8
+        assert len(cluster.fast.requests) == 8  # none went through the router again
 
 
 def test_a_killed_worker_is_restarted_and_its_slots_are_freed(tmp_path: Path) -> None:
