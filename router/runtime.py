@@ -246,9 +246,11 @@ class Router:
         return {"changed": changed, "needs_restart": [key for key in changed if key.startswith(NEEDS_RESTART)]}
 
     def _forget(self, backend: str) -> None:
-        """What is kept of a backend beside it, once it is gone: its learned speeds and its series."""
+        """What is kept of a backend beside it, once it is gone: its learned speeds, its series, and
+        what its health checks logged once."""
         self.speeds.forget(backend)
         self.observer.forget(backend)
+        self.health.forget(backend)
 
     def set_draining(
         self,

@@ -36,6 +36,11 @@ class HealthChecker:
     def configure(self, config: Health) -> None:
         self._config = config
 
+    def forget(self, backend: str) -> None:
+        """A backend gone: what was logged of it once is said again if it comes back."""
+        self._tls_failing.discard(backend)
+        self._looping.discard(backend)
+
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self._config.interval)

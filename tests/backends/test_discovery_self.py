@@ -64,3 +64,33 @@ def test_a_name_resolving_to_the_router_itself_gives_no_backend_of_it(caplog: py
         refused = httpx.get(server.url + "/health", headers={"via": f"1.1 nginx, {router.via}"})
         assert refused.status_code == 508
         assert refused.json()["error"]["code"] == "loop_detected"
+
+
+def test_the_router_found_again_at_a_name_is_logged_again(caplog: pytest.LogCaptureFixture) -> None:
+    """What the health checks logged once of a backend is forgotten with it (router.runtime's
+    `_forget`): a name that stops and starts resolving to the router says so each time, and the
+    names of backends gone are not kept for the life of the process."""
+    caplog.set_level(logging.INFO, logger="specroute")
+    port = free_port()
+    engine, team = FakeEngine(), FakeEngine()
+    with DnsServer() as dns, ExitStack() as stack, tempfile.TemporaryDirectory() as store:
+        servers = [
+            stack.enter_context(ServerThread(engine.app(), host="127.0.0.2", port=port)),
+            stack.enter_context(ServerThread(team.app())),
+        ]
+        stack.callback(stop_together, servers)
+        dns.set("spec.test", "A", ["127.0.0.1", "127.0.0.2"])
+        settings = _settings(f"http://spec.test:{port}", servers[1].url, store, nameservers=[dns.address])
+        app = create_app(settings, registry=CollectorRegistry())
+        stack.enter_context(ServerThread(app, fast=True, port=port))
+        router = app.state.router
+        itself = f"spec@127.0.0.1:{port}"
+
+        def looping() -> int:
+            return sum("is this router itself" in r.getMessage() for r in caplog.records)
+
+        wait_until(lambda: looping() == 1, message="the router's own address found out by its health check")
+        dns.set("spec.test", "A", ["127.0.0.2"])
+        wait_until(lambda: itself not in _found(router), message="the router's address gone from the name")
+        dns.set("spec.test", "A", ["127.0.0.1", "127.0.0.2"])
+        wait_until(lambda: looping() == 2, message="the router's own address found out again")
